@@ -1,0 +1,86 @@
+"""The CPU backend: gloo collectives on host memory; runs anywhere torch runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardkit import Backend, Capabilities, hookimpl
+from shardkit.backend import process_memory
+
+
+class CPUBackend(Backend):
+    """Host tensors and gloo: the default that needs nothing but torch."""
+
+    name = "cpu"
+    device_type = "cpu"
+    priority = 0
+    # gloo runs collectives on its own threads, so async handles overlap with compute.
+    capabilities = Capabilities(has_streams=False, async_collectives=True,
+                                supports_storage_resize=True, shard_alignment=1)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Available whenever torch.distributed was built with gloo."""
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_gloo_available()
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """Explain which part of torch.distributed is missing."""
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return "this torch build has no torch.distributed"
+        return "this torch build has no gloo backend"
+
+    @classmethod
+    def requirement_hint(cls) -> str:
+        """The CPU backend needs only a standard torch build."""
+        return "pip install 'torch>=2.9' (a build with torch.distributed and gloo)"
+
+    @classmethod
+    def versions(cls) -> dict[str, str]:
+        """Report torch, whose bundled gloo this backend uses."""
+        return {"torch": torch.__version__}
+
+    def local_device(self, local_rank: int) -> torch.device:
+        """Every rank computes on the host."""
+        return torch.device("cpu")
+
+    def device_count(self) -> int:
+        """One host device per process."""
+        return 1
+
+    def process_group_backend(self) -> str:
+        """gloo: the CPU collective library shipped inside torch."""
+        return "gloo"
+
+    def _indexed(self, index: int) -> torch.device:
+        # torch has one CPU device; an index (from a launcher's LOCAL_RANK) means nothing here.
+        return torch.device("cpu")
+
+    def set_device(self, device: torch.device) -> None:
+        """Nothing to select on the host."""
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """Host work is synchronous."""
+
+    def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
+        """Resident and peak resident memory of this process."""
+        return process_memory()
+
+    def reset_peak_memory(self, device: torch.device | None = None) -> None:
+        """The kernel keeps one peak per process; it cannot be reset."""
+
+    def ddp_kwargs(self, device: torch.device) -> dict[str, Any]:
+        """DDP on CPU takes no device_ids."""
+        return {}
+
+
+@hookimpl
+def shardkit_register_backends(registry):
+    """Register the CPU backend."""
+    registry.add(CPUBackend)

@@ -1,0 +1,23 @@
+"""shardkit: one sharded data-parallel engine for PyTorch that runs the same way on every accelerator."""
+
+from ._version import __version__
+from .backend import API_VERSION, Backend
+from .capabilities import Capabilities
+from .errors import (BackendNotFoundError, BackendUnavailableError, PluginLoadError,
+                     ShardkitError, UnsupportedOperationError)
+from .handles import CompletedWork, Group, NullEvent, NullStream, ReduceOp, TorchWork, Work
+from .launch_env import LaunchEnv, detect_launch_env
+from .plugin import hookimpl, hookspec
+from .plugin.manager import register_plugin, reset_plugins
+from .runtime import DistContext, current_context, init, shutdown
+from .selection import backend_statuses, get_backend
+from .spawn import spawn
+
+__all__ = [
+    "API_VERSION", "Backend", "BackendNotFoundError", "BackendUnavailableError", "Capabilities",
+    "CompletedWork", "DistContext", "Group", "LaunchEnv", "NullEvent", "NullStream",
+    "PluginLoadError", "ReduceOp", "ShardkitError", "TorchWork", "UnsupportedOperationError",
+    "Work", "__version__", "backend_statuses", "current_context", "detect_launch_env",
+    "get_backend", "hookimpl", "hookspec", "init", "register_plugin", "reset_plugins",
+    "shutdown", "spawn",
+]

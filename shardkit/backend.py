@@ -1,0 +1,334 @@
+"""The device + collective interface: the only thing the engine ever talks to.
+
+A plugin subclasses `Backend` and fills in the seven required members; everything else has a
+default built on stock torch (`torch.distributed`, `torch.get_device_module`, `torch.Stream`).
+Defaults never name a vendor: a backend that needs something special overrides one method.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import resource
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from .capabilities import Capabilities
+from .errors import ShardkitError, UnsupportedOperationError
+from .handles import CompletedWork, Group, NullEvent, NullStream, ReduceOp, TorchWork, Work
+from .launch_env import LaunchEnv, detect_launch_env
+
+API_VERSION = 1
+
+DeviceLike = torch.device | str | int | None
+
+
+class Backend:
+    """Base class of every backend. Subclasses set the class attributes and required methods."""
+
+    # ---- required -------------------------------------------------------------------------
+    name: ClassVar[str]  # what users pass as backend=..., e.g. "cpu"
+    device_type: ClassVar[str]  # torch device type, e.g. "cpu"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Return True when this backend can run here. Must never raise or touch a device."""
+        raise NotImplementedError
+
+    @classmethod
+    def requirement_hint(cls) -> str:
+        """Return what a user should do to make this backend available (the pip extra)."""
+        raise NotImplementedError
+
+    def local_device(self, local_rank: int) -> torch.device:
+        """Return the fully indexed device this local rank computes on."""
+        raise NotImplementedError
+
+    def device_count(self) -> int:
+        """Return how many devices of this type this process can see."""
+        raise NotImplementedError
+
+    def process_group_backend(self) -> str:
+        """Return the torch.distributed backend string (gloo, nccl, ...)."""
+        raise NotImplementedError
+
+    # ---- optional class attributes ------------------------------------------------------------
+    priority: ClassVar[int] = 0  # auto-detection order: higher wins among available backends
+    auto_select: ClassVar[bool] = True  # False: only chosen by name (or when auto_select_now())
+    requires_api: ClassVar[int] = API_VERSION
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    # ---- availability -------------------------------------------------------------------------
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """Return why is_available() is False, in words a user can act on."""
+        return "is_available() returned False"
+
+    @classmethod
+    def auto_select_now(cls) -> bool:
+        """Return True when auto-detection may pick this backend in the current environment."""
+        return cls.auto_select
+
+    @classmethod
+    def versions(cls) -> dict[str, str]:
+        """Return the versions of the vendor packages this backend relies on."""
+        return {}
+
+    def __repr__(self) -> str:
+        return f"<shardkit backend {self.name!r} device_type={self.device_type!r}>"
+
+    # ---- devices ------------------------------------------------------------------------------
+    def _device_module(self) -> Any:
+        return torch.get_device_module(self.device_type)
+
+    def normalize_device(self, device_id: DeviceLike, local_rank: int) -> torch.device:
+        """Turn None, an int, "type", "type:i" or a torch.device into this backend's indexed device."""
+        if device_id is None:
+            return self.local_device(local_rank)
+        if isinstance(device_id, bool) or not isinstance(device_id, (int, str, torch.device)):
+            raise ShardkitError(f"device_id must be None, an int, a string or a torch.device, "
+                                f"got {type(device_id).__name__}")
+        if isinstance(device_id, int):
+            if device_id < 0:
+                raise ShardkitError(f"device_id {device_id} is negative; pass a device index >= 0")
+            return self._indexed(device_id)
+        dev = torch.device(device_id)
+        if dev.type != self.device_type:
+            raise ShardkitError(
+                f"device_id {str(dev)!r} is a {dev.type!r} device but the {self.name!r} backend runs "
+                f"on {self.device_type!r}; pass a {self.device_type} device or choose the backend "
+                f"for {dev.type!r} with backend=...")
+        if dev.index is None:
+            return self.local_device(local_rank)
+        return self._indexed(dev.index)
+
+    def _indexed(self, index: int) -> torch.device:
+        count = self.device_count()
+        if count and index >= count:
+            raise ShardkitError(f"device index {index} is out of range: this process sees {count} "
+                                f"{self.device_type} device(s)")
+        return torch.device(self.device_type, index)
+
+    def set_device(self, device: torch.device) -> None:
+        """Make `device` the current device of this process (a no-op where that means nothing)."""
+        module = self._device_module()
+        if device.index is not None and hasattr(module, "set_device"):
+            module.set_device(device)
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        """Return True when parameters and collectives of this dtype work on this backend."""
+        return dtype in self.capabilities.supported_dtypes
+
+    def visible_devices_env(self) -> str | None:
+        """Return the env var a launcher sets to pin devices per process, if there is one."""
+        return None
+
+    # ---- streams and events (null objects when the device has none) --------------------------
+    def new_stream(self, device: torch.device) -> Any:
+        """Return a new stream on `device`, or a NullStream."""
+        if not self.capabilities.has_streams:
+            return NullStream()
+        return torch.Stream(device=device)
+
+    def current_stream(self, device: torch.device) -> Any:
+        """Return the stream compute currently runs on, or a NullStream."""
+        if not self.capabilities.has_streams:
+            return NullStream()
+        return self._device_module().current_stream(device)
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        """Return a context manager under which work is queued on `stream`."""
+        if isinstance(stream, NullStream):
+            return contextlib.nullcontext(stream)
+        return self._device_module().stream(stream)
+
+    def new_event(self) -> Any:
+        """Return a new event, or a NullEvent."""
+        if not self.capabilities.has_streams:
+            return NullEvent()
+        return torch.Event(device=self.device_type)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the caching allocator `tensor` is in use on `stream` (streams only)."""
+        if self.capabilities.has_streams and not isinstance(stream, NullStream):
+            tensor.record_stream(stream)
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """Wait until all queued work on the device has finished."""
+        module = self._device_module()
+        if hasattr(module, "synchronize"):
+            module.synchronize(device) if device is not None and device.index is not None else module.synchronize()
+
+    # ---- memory ------------------------------------------------------------------------------
+    def free_storage(self, tensor: torch.Tensor) -> None:
+        """Release a tensor's memory while keeping the tensor object (and autograd's view of it)."""
+        if not self.capabilities.supports_storage_resize:
+            raise UnsupportedOperationError(
+                f"backend {self.name!r} cannot free tensor storage; the engine replaces the tensor")
+        storage = tensor.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+    def alloc_storage(self, tensor: torch.Tensor) -> None:
+        """Give back a freed tensor the storage its shape needs."""
+        if not self.capabilities.supports_storage_resize:
+            raise UnsupportedOperationError(
+                f"backend {self.name!r} cannot resize tensor storage; the engine replaces the tensor")
+        nbytes = tensor.numel() * tensor.element_size()
+        storage = tensor.untyped_storage()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def compiler_barrier(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Stop a graph compiler from moving work across this point (no-op for eager devices)."""
+
+    def step_boundary(self) -> None:
+        """Mark the end of a training step after optimizer.step() (graph cut on lazy devices)."""
+
+    def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
+        """Return current and peak memory in bytes: {"allocated": .., "peak": ..}."""
+        module = self._device_module()
+        if hasattr(module, "max_memory_allocated") and self.device_type != "cpu":
+            return {"allocated": int(module.memory_allocated(device)),
+                    "peak": int(module.max_memory_allocated(device))}
+        return process_memory()
+
+    def reset_peak_memory(self, device: torch.device | None = None) -> None:
+        """Start a new peak-memory window where the device allows it."""
+        module = self._device_module()
+        if hasattr(module, "reset_peak_memory_stats") and self.device_type != "cpu":
+            module.reset_peak_memory_stats(device)
+
+    # ---- process groups ------------------------------------------------------------------------
+    def launch_env(self) -> LaunchEnv:
+        """Return this process's place in the job (backends whose ranks are threads override)."""
+        return detect_launch_env()
+
+    def process_group_options(self, env: LaunchEnv) -> dict[str, Any]:
+        """Extra keyword arguments for init_process_group: the one place a device_id policy lives."""
+        return {}
+
+    def init_process_group(self, env: LaunchEnv, timeout: datetime.timedelta) -> Group:
+        """Join (or create) the default process group for this job and return the world group."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return self.world_group()
+        options = dict(backend=self.process_group_backend(), rank=env.rank,
+                       world_size=env.world_size, timeout=timeout,
+                       **self.process_group_options(env))
+        if env.master_port is None:
+            # A lone process: an in-memory store, so no port is opened and nothing can collide.
+            dist.init_process_group(store=dist.HashStore(), **options)
+        else:
+            env.export()
+            dist.init_process_group(init_method="env://", **options)
+        return self.world_group()
+
+    def world_group(self) -> Group:
+        """Return the group of all ranks in the job."""
+        import torch.distributed as dist
+
+        size = dist.get_world_size()
+        return Group(dist.get_rank(), size, tuple(range(size)), dist.group.WORLD)
+
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        """Create a subgroup; every rank of the job must call this with the same ranks."""
+        import torch.distributed as dist
+
+        ranks = tuple(int(r) for r in ranks)
+        handle = dist.new_group(list(ranks))
+        me = dist.get_rank()
+        return Group(ranks.index(me) if me in ranks else -1, len(ranks), ranks, handle)
+
+    def shutdown(self) -> None:
+        """Destroy the process group this backend created."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- collectives ---------------------------------------------------------------------------
+    def _torch_op(self, op: str) -> Any:
+        import torch.distributed as dist
+
+        if op not in self.capabilities.reduce_ops:
+            raise UnsupportedOperationError(
+                f"backend {self.name!r} does not support reduce op {op!r}; it supports "
+                f"{sorted(self.capabilities.reduce_ops)}. For a mean, reduce with 'sum' and divide.")
+        return {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX,
+                ReduceOp.MIN: dist.ReduceOp.MIN}[op]
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
+                               async_op: bool = False) -> Work:
+        """Concatenate every rank's `input` into `output` (rank order, along dim 0)."""
+        import torch.distributed as dist
+
+        if group.size == 1:
+            output.copy_(input.reshape(output.shape))
+            return CompletedWork()
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return TorchWork(gather(output, input, group=group.handle, async_op=async_op))
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
+                              op: str = ReduceOp.SUM, async_op: bool = False) -> Work:
+        """Reduce `input` across ranks and leave this rank's equal slice in `output`."""
+        import torch.distributed as dist
+
+        torch_op = self._torch_op(op)
+        if input.numel() != output.numel() * group.size:
+            # gloo aborts the whole process on this in some torch versions: refuse it first.
+            raise ShardkitError(f"reduce_scatter_tensor needs input.numel() == output.numel() * "
+                                f"group size, got {input.numel()} vs {output.numel()} x {group.size}")
+        if group.size == 1:
+            output.copy_(input.reshape(output.shape))
+            return CompletedWork()
+        # torch >= 2.12 renamed these (the old names warn); 2.9-2.11 have only the old ones.
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return TorchWork(scatter(output, input, op=torch_op, group=group.handle, async_op=async_op))
+
+    def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = ReduceOp.SUM,
+                   async_op: bool = False) -> Work:
+        """Reduce `tensor` across ranks in place."""
+        import torch.distributed as dist
+
+        torch_op = self._torch_op(op)
+        if group.size == 1:
+            return CompletedWork()
+        return TorchWork(dist.all_reduce(tensor, op=torch_op, group=group.handle, async_op=async_op))
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Work:
+        """Copy `tensor` from group rank `src` to every rank of the group, in place."""
+        import torch.distributed as dist
+
+        if group.size == 1:
+            return CompletedWork()
+        return TorchWork(dist.broadcast(tensor, src=group.ranks[src], group=group.handle,
+                                        async_op=async_op))
+
+    def barrier(self, group: Group) -> None:
+        """Block until every rank of the group has reached this call."""
+        import torch.distributed as dist
+
+        if group.size > 1:
+            dist.barrier(group=group.handle)
+
+    # ---- integration with torch's own wrappers ------------------------------------------------
+    def ddp_kwargs(self, device: torch.device) -> dict[str, Any]:
+        """Keyword arguments DistributedDataParallel needs on this backend."""
+        return {}
+
+
+def process_memory() -> dict[str, int]:
+    """Return this process's resident and peak resident memory in bytes (Linux and macOS)."""
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak_kb if os.uname().sysname == "Darwin" else peak_kb * 1024
+    try:
+        with open("/proc/self/statm") as f:
+            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        current = peak
+    return {"allocated": current, "peak": peak}
+

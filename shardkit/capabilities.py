@@ -1,0 +1,46 @@
+"""What a backend can do, as data the engine branches on instead of backend names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+FLOAT_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Static facts about a backend that the engine needs to choose a code path."""
+
+    # Separate compute/communication streams exist, so prefetch overlaps through events.
+    has_streams: bool = False
+    # Collectives can return before completion (a Work handle to wait on later).
+    async_collectives: bool = True
+    # A tensor's storage can be resized to 0 and back (FSDP2-style free); XLA tensors have none.
+    supports_storage_resize: bool = True
+    # Flat shards are padded to a multiple of world_size * shard_alignment elements.
+    shard_alignment: int = 1
+    # The compiler may hoist or keep gathered params alive unless a barrier pins them (XLA).
+    needs_compiler_barrier: bool = False
+    # A graph must be cut after the optimizer step (XLA's mark_step / sync).
+    needs_step_boundary: bool = False
+    # Several ranks may live as threads of one process (XLA on CPU): no process-global state.
+    ranks_share_process: bool = False
+    # Reduce ops the collectives accept; the engine itself only ever asks for "sum".
+    reduce_ops: frozenset[str] = frozenset({"sum", "max", "min"})
+    supported_dtypes: frozenset[torch.dtype] = field(default=FLOAT_DTYPES)
+
+    def describe(self) -> dict[str, object]:
+        """Return a JSON-friendly dict of the flags, for `shardkit info`."""
+        return {
+            "has_streams": self.has_streams,
+            "async_collectives": self.async_collectives,
+            "supports_storage_resize": self.supports_storage_resize,
+            "shard_alignment": self.shard_alignment,
+            "needs_compiler_barrier": self.needs_compiler_barrier,
+            "needs_step_boundary": self.needs_step_boundary,
+            "ranks_share_process": self.ranks_share_process,
+            "reduce_ops": sorted(self.reduce_ops),
+            "supported_dtypes": sorted(str(d).replace("torch.", "") for d in self.supported_dtypes),
+        }

@@ -1,0 +1,23 @@
+"""Exceptions that tell the user what went wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class ShardkitError(RuntimeError):
+    """Base class for every error shardkit raises on purpose."""
+
+
+class BackendNotFoundError(ShardkitError, LookupError):
+    """A backend name that no installed plugin registers."""
+
+
+class BackendUnavailableError(ShardkitError):
+    """A registered backend that cannot run on this machine or install."""
+
+
+class PluginLoadError(ShardkitError):
+    """A plugin that failed to import or register; carries the original traceback text."""
+
+
+class UnsupportedOperationError(ShardkitError, NotImplementedError):
+    """A collective or reduce op that the selected backend cannot perform."""

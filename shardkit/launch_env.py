@@ -1,0 +1,83 @@
+"""Read rank, world size and rendezvous address from whichever launcher started this process."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from .errors import ShardkitError
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+
+# (launcher, rank var, world-size var, local-rank var, local-world-size var); first match wins.
+_LAUNCHERS = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mpich/intel-mpi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, and how the ranks find each other."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int | None  # None: a lone process that needs no rendezvous
+    launcher: str
+
+    def export(self, environ: dict[str, str] | None = None) -> None:
+        """Write the torch env:// variables so torch.distributed and child libraries agree."""
+        env = os.environ if environ is None else environ
+        env["RANK"] = str(self.rank)
+        env["WORLD_SIZE"] = str(self.world_size)
+        env["LOCAL_RANK"] = str(self.local_rank)
+        env["LOCAL_WORLD_SIZE"] = str(self.local_world_size)
+        env["MASTER_ADDR"] = self.master_addr
+        if self.master_port is not None:
+            env["MASTER_PORT"] = str(self.master_port)
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise ShardkitError(f"environment variable {name}={environ[name]!r} is not an integer; "
+                            "fix the launcher command or unset it") from None
+
+
+def _local_size(environ: Mapping[str, str], var: str, launcher: str, world_size: int) -> int:
+    raw = environ.get(var)
+    if raw is None:
+        return world_size
+    if launcher == "slurm":  # SLURM_NTASKS_PER_NODE may read "4(x2)" on heterogeneous jobs
+        raw = raw.split("(")[0]
+    return int(raw)
+
+
+def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Return the LaunchEnv described by environment variables; a bare process is rank 0 of 1."""
+    environ = os.environ if environ is None else environ
+    addr = environ.get("MASTER_ADDR", DEFAULT_MASTER_ADDR)
+    for launcher, rank_var, size_var, local_var, local_size_var in _LAUNCHERS:
+        if rank_var in environ and size_var in environ:
+            rank, world_size = _int(environ, rank_var), _int(environ, size_var)
+            if not 0 <= rank < world_size:
+                raise ShardkitError(f"{launcher} says rank {rank} of world size {world_size}; "
+                                    "rank must be in [0, world_size)")
+            local_rank = _int(environ, local_var) if local_var in environ else rank
+            port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else DEFAULT_MASTER_PORT
+            if world_size == 1 and "MASTER_PORT" not in environ:
+                port = None
+            return LaunchEnv(rank, world_size, local_rank,
+                             _local_size(environ, local_size_var, launcher, world_size),
+                             addr, port, launcher)
+    port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None
+    return LaunchEnv(0, 1, 0, 1, addr, port, "none")

@@ -1,0 +1,105 @@
+"""`shardkit.init()`: join the job from whatever launched us and remember the result."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .backend import Backend, DeviceLike
+from .errors import ShardkitError
+from .handles import Group
+from .launch_env import LaunchEnv
+from .selection import get_backend
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass
+class DistContext:
+    """Everything the engine needs to know about this rank: backend, device, world group."""
+
+    backend: Backend
+    env: LaunchEnv
+    device: torch.device
+    world: Group
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the world group."""
+        return self.world.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the job."""
+        return self.world.size
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index on its node."""
+        return self.env.local_rank
+
+    def barrier(self) -> None:
+        """Block until every rank reaches this call."""
+        self.backend.barrier(self.world)
+
+
+_thread_local = threading.local()
+_process_context: DistContext | None = None
+
+
+def current_context() -> DistContext | None:
+    """Return the context `init()` made for this thread (or this process), if any."""
+    return getattr(_thread_local, "ctx", None) or _process_context
+
+
+def _set_current(ctx: DistContext | None) -> None:
+    global _process_context
+    _thread_local.ctx = ctx
+    if ctx is None or not ctx.backend.capabilities.ranks_share_process:
+        _process_context = ctx
+
+
+def init(backend: str | Backend | None = None, timeout: datetime.timedelta | float | None = None,
+         device_id: DeviceLike = None) -> DistContext:
+    """Initialise the process group from the launcher's environment and return this rank's context."""
+    existing = current_context()
+    be = get_backend(backend)
+    if existing is not None:
+        if existing.backend is not be:
+            raise ShardkitError(f"shardkit is already initialised with backend "
+                                f"{existing.backend.name!r}; call shardkit.shutdown() before "
+                                f"initialising {be.name!r}")
+        return existing
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT
+    elif not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    env = be.launch_env()
+    device = be.normalize_device(device_id, env.local_rank)
+    be.set_device(device)
+    world = be.init_process_group(env, timeout)
+    ctx = DistContext(be, env, device, world)
+    _set_current(ctx)
+    return ctx
+
+
+def require_context(backend: str | Backend | None = None) -> DistContext:
+    """Return the current context, initialising one (from the environment) if there is none."""
+    ctx = current_context()
+    if ctx is None:
+        return init(backend)
+    if backend is not None and get_backend(backend) is not ctx.backend:
+        raise ShardkitError(f"backend {backend!r} was requested but shardkit was initialised with "
+                            f"{ctx.backend.name!r}; pass the same backend or none")
+    return ctx
+
+
+def shutdown() -> None:
+    """Tear down the process group made by `init()` and forget the context."""
+    ctx = current_context()
+    if ctx is not None:
+        ctx.backend.shutdown()
+    _set_current(None)

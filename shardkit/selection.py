@@ -1,0 +1,123 @@
+"""Choose a backend: explicit name > SHARDKIT_BACKEND > site hook > best available by priority."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+from .backend import Backend
+from .errors import BackendNotFoundError, BackendUnavailableError, ShardkitError
+from .plugin.manager import plugin_state
+
+_instances: dict[str, Backend] = {}
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """One registered backend as seen from this machine."""
+
+    name: str
+    available: bool
+    reason: str  # empty when available
+    hint: str
+    priority: int
+    plugin: str
+    cls: type[Backend]
+
+
+def _probe(cls: type[Backend]) -> tuple[bool, str]:
+    try:
+        if cls.is_available():
+            return True, ""
+        return False, cls.unavailable_reason()
+    except Exception as exc:  # noqa: BLE001 - a probe must not take the process down
+        return False, f"availability check raised {type(exc).__name__}: {exc}"
+
+
+def _hint(cls: type[Backend]) -> str:
+    try:
+        return cls.requirement_hint()
+    except Exception as exc:  # noqa: BLE001
+        return f"(requirement_hint raised {type(exc).__name__}: {exc})"
+
+
+def backend_statuses() -> list[BackendStatus]:
+    """Return the status of every registered backend, highest priority first."""
+    state = plugin_state()
+    out = []
+    for name in state.registry.names():
+        cls = state.registry.get(name)
+        ok, reason = _probe(cls)
+        out.append(BackendStatus(name, ok, reason, _hint(cls), cls.priority,
+                                 state.registry.origin(name), cls))
+    return out
+
+
+def describe_backends() -> str:
+    """Return a few lines listing every registered backend, whether it runs here, and how to fix it."""
+    lines = []
+    for st in backend_statuses():
+        if st.available:
+            lines.append(f"  - {st.name}: available")
+        else:
+            lines.append(f"  - {st.name}: not available: {st.reason}. HINT: {st.hint}")
+    for failure in plugin_state().failures.values():
+        lines.append(f"  - plugin {failure.plugin!r} failed to load: {failure.error}")
+    return "\n".join(lines) if lines else "  (no backends registered)"
+
+
+def _instance(name: str) -> Backend:
+    state = plugin_state()
+    cls = state.registry.get(name)
+    if cls is None:
+        if name in state.failures:
+            raise state.failures[name].as_error()
+        raise BackendNotFoundError(f"unknown backend {name!r}. Registered backends:\n"
+                                   f"{describe_backends()}")
+    ok, reason = _probe(cls)
+    if not ok:
+        raise BackendUnavailableError(f"backend {name!r} is not available: {reason}.\n"
+                                      f"HINT: {_hint(cls)}\nRegistered backends:\n"
+                                      f"{describe_backends()}")
+    with _lock:
+        if name not in _instances or type(_instances[name]) is not cls:
+            _instances[name] = cls()
+        return _instances[name]
+
+
+def _auto_candidates() -> list[BackendStatus]:
+    return [st for st in backend_statuses() if st.available and st.cls.auto_select_now()]
+
+
+def get_backend(name: str | Backend | None = None) -> Backend:
+    """Return the Backend to use: by name, from SHARDKIT_BACKEND, from a site hook, or the best available."""
+    if isinstance(name, Backend):
+        return name
+    if name is not None:
+        if not isinstance(name, str):
+            raise ShardkitError(f"backend must be a name or a Backend, got {type(name).__name__}")
+        return _instance(name)
+    env_name = os.environ.get("SHARDKIT_BACKEND", "").strip()
+    if env_name:
+        try:
+            return _instance(env_name)
+        except ShardkitError as exc:
+            raise type(exc)(f"SHARDKIT_BACKEND={env_name!r}: {exc}") from None
+    state = plugin_state()
+    candidates = _auto_candidates()
+    chosen = state.pm.hook.shardkit_select_backend(
+        available=[c.name for c in candidates], registered=state.registry.names())
+    if chosen is not None:
+        return _instance(chosen)
+    if not candidates:
+        raise BackendUnavailableError("no backend can run here. Registered backends:\n"
+                                      f"{describe_backends()}")
+    return _instance(candidates[0].name)
+
+
+def forget_backend_instances() -> None:
+    """Drop cached Backend objects (tests that re-register plugins)."""
+    with _lock:
+        _instances.clear()
