@@ -1,0 +1,69 @@
+"""Decisions the CUDA backend takes from version numbers: device_id binding and bf16 readiness.
+
+Pure functions of their inputs, so every branch is tested on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+from shardkit.errors import ShardkitError
+
+OVERRIDE_ENV = "SHARDKIT_NCCL_DEVICE_ID"
+
+
+def version_tuple(version: str | None) -> tuple[int, ...]:
+    """Turn "2.9.0+cu128" or "12.4" into (2, 9, 0) / (12, 4); None or junk into ()."""
+    if not version:
+        return ()
+    match = re.match(r"\d+(\.\d+)*", str(version))
+    return tuple(int(p) for p in match.group(0).split(".")) if match else ()
+
+
+def _truthy(value: str | None) -> bool | None:
+    if value is None or not value.strip():
+        return None
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
+def bind_device_id(torch_version: str, environ: Mapping[str, str]) -> tuple[bool, str]:
+    """Return (pass device_id to init_process_group?, why) for this torch version and environment.
+
+    Passing it binds the group to this rank's GPU: NCCL then connects eagerly, splits subgroups
+    from the world communicator, and barrier() uses the right GPU instead of guessing
+    rank % ngpus (the "Guessing device ID based on global rank" hangs, pytorch#142356).
+    It must be left out where eager init turns on NCCL's non-blocking API, which hangs at random
+    with NCCL 2.26 (pytorch#153960): torch 2.7.0 does that by default (2.7.1 reverted it,
+    pytorch PR #154055), and TORCH_NCCL_USE_COMM_NONBLOCKING=1 does it on any version.
+    SHARDKIT_NCCL_DEVICE_ID=0/1 overrides the policy.
+    """
+    override = environ.get(OVERRIDE_ENV)
+    if override is not None and override.strip():
+        forced = _truthy(override)
+        if forced is None:
+            raise ShardkitError(f"{OVERRIDE_ENV}={override!r} must be 0 or 1 (or unset for the "
+                                "per-version policy)")
+        return forced, f"{OVERRIDE_ENV}={override}"
+    version = version_tuple(torch_version)[:3]
+    if version < (2, 3):
+        return False, f"torch {torch_version} has no device_id argument (added in 2.3)"
+    if version == (2, 7, 0):
+        return False, ("torch 2.7.0 turns on NCCL's non-blocking init with device_id, which hangs "
+                       "at random (pytorch#153960)")
+    if _truthy(environ.get("TORCH_NCCL_USE_COMM_NONBLOCKING")):
+        return False, ("TORCH_NCCL_USE_COMM_NONBLOCKING=1 with eager init hangs at random "
+                       "(pytorch#153960)")
+    return True, "binds barrier and subgroups to this rank's GPU (pytorch#142356)"
+
+
+def bf16_ready(cuda_version: str | None, native_bf16: bool,
+               nccl_version: tuple[int, ...] | None) -> bool:
+    """The T5 FSDP tutorial's bf16_ready: CUDA >= 11, native bf16 on the GPU, NCCL >= 2.10."""
+    return (bool(cuda_version) and native_bf16 and version_tuple(cuda_version) >= (11, 0)
+            and nccl_version is not None and tuple(nccl_version) >= (2, 10))
