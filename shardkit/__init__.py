@@ -12,6 +12,7 @@ from .plugin.manager import register_plugin, reset_plugins
 from .runtime import DistContext, current_context, init, shutdown
 from .selection import backend_statuses, get_backend
 from .spawn import spawn
+from .replicate import replicate
 
 __all__ = [
     "API_VERSION", "Backend", "BackendNotFoundError", "BackendUnavailableError", "Capabilities",
@@ -19,5 +20,5 @@ __all__ = [
     "PluginLoadError", "ReduceOp", "ShardkitError", "TorchWork", "UnsupportedOperationError",
     "Work", "__version__", "backend_statuses", "current_context", "detect_launch_env",
     "get_backend", "hookimpl", "hookspec", "init", "register_plugin", "reset_plugins",
-    "shutdown", "spawn",
+    "shutdown", "spawn", "replicate",
 ]

@@ -1,0 +1,28 @@
+"""`shardkit.replicate()`: torch's DistributedDataParallel, configured for the backend in use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .backend import Backend
+from .runtime import require_context
+
+
+def replicate(model: torch.nn.Module, backend: str | Backend | None = None,
+              **ddp_kwargs: Any) -> torch.nn.parallel.DistributedDataParallel:
+    """Move `model` to this rank's device and wrap it in DDP with the backend's required options.
+
+    The backend supplies what DDP needs on its device (device_ids on GPUs,
+    gradient_as_bucket_view on XLA, nothing on CPU); keyword arguments given here win over it.
+    Initialises shardkit from the launcher's environment if nobody has yet.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    ctx = require_context(backend)
+    model = model.to(ctx.device)
+    options = {**ctx.backend.ddp_kwargs(ctx.device), **ddp_kwargs}
+    if "process_group" not in options and ctx.world.handle is not None:
+        options["process_group"] = ctx.world.handle
+    return DistributedDataParallel(model, **options)
