@@ -1,0 +1,48 @@
+"""The few collectives checkpointing needs, through the Backend (so every rank raises together, never hangs)."""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+import torch
+
+from ..runtime import DistContext, require_context
+
+
+def context() -> DistContext:
+    """The current shardkit context (initialising one from the environment if needed)."""
+    return require_context()
+
+
+def any_rank(ctx: DistContext, flag: bool) -> bool:
+    """True on every rank when `flag` is True on at least one rank."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=ctx.device)
+    ctx.backend.all_reduce(t, ctx.world)
+    return bool(t.item())
+
+
+def flags_any(ctx: DistContext, flags: Sequence[bool]) -> list[bool]:
+    """Element-wise OR of a boolean vector across ranks."""
+    if not flags:
+        return []
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64, device=ctx.device)
+    ctx.backend.all_reduce(t, ctx.world)
+    return [bool(v) for v in t.tolist()]
+
+
+def shared_token(ctx: DistContext) -> int:
+    """A random number chosen by rank 0 and known to every rank (names one save's temporary dir)."""
+    t = torch.tensor([random.SystemRandom().getrandbits(48) if ctx.rank == 0 else 0],
+                     dtype=torch.int64, device=ctx.device)
+    ctx.backend.broadcast(t, 0, ctx.world)
+    return int(t.item())
+
+
+def merge_digests(ctx: DistContext, digests: dict[int, str], count: int) -> list[str]:
+    """Combine hex sha256 digests computed by different ranks (each index by exactly one) everywhere."""
+    t = torch.zeros(max(count, 1), 32, dtype=torch.int64, device=ctx.device)
+    for i, hexdigest in digests.items():
+        t[i] = torch.tensor(list(bytes.fromhex(hexdigest)), dtype=torch.int64)
+    ctx.backend.all_reduce(t, ctx.world)
+    return [bytes(row).hex() for row in t.cpu().tolist()][:count]

@@ -1,0 +1,183 @@
+"""Sharded checkpoint I/O through torch.distributed.checkpoint (DCP), one flat 1-D chunk per rank and tensor.
+
+The engine shards every parameter as a contiguous range of its flattened tensor, so each checkpoint
+entry is stored as a 1-D global tensor of ``full_numel`` elements and each rank contributes the chunk
+``[offset, offset + len(local))``. DCP's own resharding then serves any other split at load time.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from .errors import CorruptCheckpointError
+
+METADATA_FILE = ".metadata"
+
+
+@dataclass
+class FlatChunk:
+    """This rank's piece ``[offset, offset + local.numel())`` of a flattened tensor of ``full_numel`` elements."""
+
+    local: torch.Tensor  # 1-D; written from on save, read into (in place) on load
+    offset: int
+    full_numel: int
+
+    def chunk_metadata(self) -> ChunkStorageMetadata:
+        """The DCP chunk this piece occupies in the 1-D global tensor."""
+        return ChunkStorageMetadata(offsets=torch.Size([self.offset]),
+                                    sizes=torch.Size([self.local.numel()]))
+
+
+class FlatChunkSavePlanner(DefaultSavePlanner):
+    """Writes one DCP shard per FlatChunk; dict keys are the checkpoint entry names."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        """One SHARD write item per chunk of this rank."""
+        items = []
+        for key, chunk in self.state_dict.items():
+            if not isinstance(chunk, FlatChunk):
+                raise TypeError(f"checkpoint entry {key!r} is {type(chunk).__name__}, not FlatChunk")
+            items.append(WriteItem(
+                index=MetadataIndex(key, torch.Size([chunk.offset])),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk.chunk_metadata(),
+                    properties=TensorProperties.create_from_tensor(chunk.local),
+                    size=torch.Size([chunk.full_numel]))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """The local 1-D tensor behind a write item."""
+        return self.state_dict[index.fqn].local
+
+
+class FlatChunkLoadPlanner(DefaultLoadPlanner):
+    """Reads into FlatChunks whatever stored chunks overlap them (DCP's load-time resharding)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        """Keep the FlatChunk dict as is (no flattening, no meta-device materialisation)."""
+        self.original_state_dict = state_dict
+        self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        """Read items for the overlap of each local chunk with the stored chunks."""
+        items = []
+        for key, chunk in self.state_dict.items():
+            md = self.metadata.state_dict_metadata.get(key)
+            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != (chunk.full_numel,):
+                found = None if md is None else getattr(md, "size", type(md).__name__)
+                raise CorruptCheckpointError(
+                    f"checkpoint entry {key!r}: expected a 1-D tensor of {chunk.full_numel} "
+                    f"elements in the DCP metadata, found {found}")
+            if chunk.local.numel():
+                items += create_read_items_for_chunk_list(key, md, [chunk.chunk_metadata()])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        """The local 1-D tensor a read item lands in."""
+        return self.state_dict[index.fqn].local
+
+    def load_bytes(self, read_item, value) -> None:
+        """Refuse pickled objects: shardkit checkpoints store only tensors in DCP."""
+        raise CorruptCheckpointError(
+            f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; shardkit never "
+            "unpickles checkpoint objects")
+
+
+# DCP's metadata file is a plain pickle; this allow-list is everything DCP's Metadata contains,
+# so loading it cannot run arbitrary code.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+     ("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"),
+     ("builtins", "frozenset"), ("builtins", "slice"), ("copyreg", "_reconstructor"),
+     ("builtins", "object"), ("torch.serialization", "_get_layout"),
+     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None),
+                                            (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose metadata is unpickled through an allow-list of DCP's own types."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Load ``.metadata`` without executing arbitrary pickled code."""
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except Exception as exc:  # noqa: BLE001 - any failure means the file is not DCP metadata
+            raise CorruptCheckpointError(f"{path}: cannot read DCP metadata ({exc})") from exc
+        if not isinstance(metadata, Metadata):
+            raise CorruptCheckpointError(f"{path}: not DCP metadata ({type(metadata).__name__})")
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def save_chunks(directory: str, chunks: dict[str, FlatChunk], process_group: Any) -> None:
+    """Collective: every rank writes its chunks (one file per rank) into `directory`."""
+    dcp.save(chunks, storage_writer=FileSystemWriter(directory, single_file_per_rank=True,
+                                                     sync_files=True),
+             planner=FlatChunkSavePlanner(), process_group=process_group)
+
+
+def load_chunks(directory: str, chunks: dict[str, FlatChunk], process_group: Any = None,
+                no_dist: bool = False) -> None:
+    """Fill each FlatChunk in place from the checkpoint in `directory` (collective unless no_dist)."""
+    dcp.load(chunks, storage_reader=SafeFileSystemReader(directory),
+             planner=FlatChunkLoadPlanner(), process_group=process_group, no_dist=no_dist)
+
+
+class FlatTensorReader:
+    """Offline, process-group-free reader of whole entries, one at a time (bounded memory)."""
+
+    def __init__(self, directory: str) -> None:
+        self.reader = SafeFileSystemReader(directory)
+        self.metadata = self.reader.read_metadata()
+        self.reader.set_up_storage_reader(self.metadata, True)
+
+    def read(self, key: str) -> torch.Tensor:
+        """Return the full 1-D tensor stored under `key`, assembled from every rank's chunks."""
+        md = self.metadata.state_dict_metadata[key]
+        out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        planner = FlatChunkLoadPlanner()
+        planner.set_up_planner({key: FlatChunk(out, 0, out.numel())}, self.metadata, True)
+        self.reader.read_data(planner.create_local_plan(), planner).wait()
+        return out

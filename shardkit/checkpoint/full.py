@@ -1,0 +1,119 @@
+"""Full (unsharded) weights: gathered unit by unit into a state dict or safetensors files, and loaded back."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from . import collective, manifest as mf
+from .entries import engine, model_entries
+from .errors import CheckpointError
+from .safetensors_io import DEFAULT_MAX_SHARD_SIZE, SafetensorsLayout, read_full_source
+
+
+def iter_full_tensors(model: torch.nn.Module):
+    """Collective: yield (name, full tensor) for every state_dict entry, holding one unit at a time.
+
+    Tensors are valid only until the next item (the engine frees each unit as it advances).
+    """
+    entries = model_entries(model)
+    seen = set()
+    for e in entries:
+        if e.buffer is not None:
+            seen.add(e.name)
+            yield e.name, e.buffer.detach()
+    for _, unit in engine().iter_unit_full_params(model):
+        for fqn, tensor in unit.items():
+            seen.add(fqn)
+            yield fqn, tensor
+    missing = [e.name for e in entries if e.name not in seen]
+    if missing:
+        raise CheckpointError(f"the engine gathered no full tensor for {missing}")
+
+
+def full_state_dict(model: torch.nn.Module, rank0_only: bool = True,
+                    cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+    """Collective: the original model's state dict (original names), gathered unit by unit.
+
+    With `rank0_only`, other ranks return {}; with `cpu_offload`, tensors land on the CPU as each
+    unit is gathered, so the device holds one unit beyond the sharded model.
+    """
+    ctx = collective.context()
+    keep = ctx.rank == 0 or not rank0_only
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_full_tensors(model):
+        if keep:
+            out[name] = tensor.detach().to("cpu" if cpu_offload else tensor.device, copy=True)
+    if not keep:
+        return {}
+    order = [e.name for e in model_entries(model)]
+    return {name: out[name] for name in order}
+
+
+def export(path: str | os.PathLike, model: torch.nn.Module,
+           max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, dtype: torch.dtype | None = None) -> str:
+    """Collective: write full weights as safetensors (HF layout, index when split), streaming unit by unit.
+
+    `path` becomes a directory with ``model.safetensors`` or ``model-0000i-of-0000n.safetensors``
+    files plus ``model.safetensors.index.json``. `dtype` casts floating tensors (e.g. torch.bfloat16).
+    """
+    ctx = collective.context()
+    path = os.path.abspath(os.fspath(path))
+    entries = model_entries(model)
+    layout = SafetensorsLayout([(e.name, e.shape, _cast_dtype(e.dtype, dtype)) for e in entries],
+                               max_shard_size)
+    tmp = f"{path}{mf.TMP_MARK}{collective.shared_token(ctx):012x}"
+    if ctx.rank == 0:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        layout.create(tmp)
+    for name, tensor in iter_full_tensors(model):
+        if ctx.rank == 0:
+            layout.write(tmp, name, tensor.to(_cast_dtype(tensor.dtype, dtype)))
+    failure = None
+    if ctx.rank == 0:
+        try:
+            layout.finish(tmp)
+            mf.replace_dir(tmp, path)
+        except OSError as exc:
+            failure = exc
+    if collective.any_rank(ctx, failure is not None):
+        raise CheckpointError(f"export to {path} failed on rank 0: {failure or 'see rank 0'}")
+    return path
+
+
+def _cast_dtype(current: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
+    return wanted if wanted is not None and current.is_floating_point else current
+
+
+def load_full_state_dict(model: torch.nn.Module, source: Any, strict: bool = True) -> None:
+    """Load a full state dict (dict, safetensors file/dir, or weights-only torch file); each rank keeps its slices.
+
+    No communication: every rank reads each tensor from `source` and copies only its own slice.
+    """
+    from .sharded import compare_entries
+
+    shapes, get = read_full_source(source)
+    entries = model_entries(model)
+    expected = {e.name: e.shape for e in entries}
+    if strict:
+        compare_entries(f"full state dict {_describe(source)}", expected, shapes)
+    else:
+        compare_entries(f"full state dict {_describe(source)}",
+                        {k: v for k, v in expected.items() if k in shapes},
+                        {k: v for k, v in shapes.items() if k in expected})
+    views = engine()
+    with torch.no_grad():
+        for e in entries:
+            if e.name not in shapes:
+                continue
+            tensor = get(e.name)
+            if e.view is not None:
+                views.load_full_param_(model, e.name, tensor)
+            else:
+                e.buffer.copy_(tensor)
+
+
+def _describe(source: Any) -> str:
+    return "(dict)" if isinstance(source, dict) else os.fspath(source)

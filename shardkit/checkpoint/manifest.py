@@ -1,0 +1,158 @@
+"""The manifest written last into every checkpoint, file checksums, and crash-safe directory replacement.
+
+A checkpoint directory is complete exactly when its ``shardkit_manifest.json`` exists: it is written
+(and fsynced) after every other file, and lists each file's size and sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from typing import Any
+
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError,
+                     IncompleteCheckpointError)
+
+MANIFEST_FILE = "shardkit_manifest.json"
+FORMAT = "shardkit-checkpoint"
+FORMAT_VERSION = 1
+OLD_SUFFIX = ".old"
+TMP_MARK = ".tmp-"
+_HASH_BLOCK = 1 << 22
+
+
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file, read in blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_HASH_BLOCK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def data_files(directory: str) -> list[str]:
+    """Every file of a checkpoint except the manifest, as sorted relative paths."""
+    out = []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), directory)
+            if rel != MANIFEST_FILE:
+                out.append(rel)
+    return sorted(out)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make renames and new names inside `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Write JSON to `path` through a temporary name, fsynced, so readers never see half a file."""
+    tmp = f"{path}{TMP_MARK}{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_manifest(directory: str, info: dict[str, Any], hashes: dict[str, str]) -> dict:
+    """Record sizes and checksums of every file in `directory`, then the manifest itself, last."""
+    files = {}
+    for rel in data_files(directory):
+        if rel not in hashes:
+            raise CorruptCheckpointError(f"{os.path.join(directory, rel)}: appeared during save "
+                                         "without a checksum")
+        files[rel] = {"size": os.path.getsize(os.path.join(directory, rel)), "sha256": hashes[rel]}
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **info, "files": files}
+    write_json_atomic(os.path.join(directory, MANIFEST_FILE), manifest)
+    return manifest
+
+
+def read_manifest(directory: str) -> dict:
+    """Return the manifest of a complete checkpoint, or raise saying why it is not one."""
+    path = os.path.join(directory, MANIFEST_FILE)
+    if not os.path.isdir(directory):
+        raise CheckpointNotFoundError(f"no checkpoint at {directory}")
+    if not os.path.exists(path):
+        raise IncompleteCheckpointError(
+            f"{directory} is an incomplete checkpoint: {MANIFEST_FILE} is missing, so the save "
+            "that wrote it never finished. HINT: load an earlier checkpoint; delete this directory.")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{path}: unreadable manifest ({exc})") from exc
+    if manifest.get("format") != FORMAT:
+        raise CorruptCheckpointError(f"{path}: not a shardkit checkpoint manifest")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"{path}: checkpoint format {manifest['format_version']} is newer than this shardkit "
+            f"reads ({FORMAT_VERSION}). HINT: upgrade shardkit.")
+    return manifest
+
+
+def check_file(directory: str, rel: str, expected: dict, with_hash: bool = True) -> str | None:
+    """Return a message if a checkpoint file's size or sha256 differs from the manifest, else None."""
+    path = os.path.join(directory, rel)
+    if not os.path.exists(path):
+        return f"{path}: missing"
+    size = os.path.getsize(path)
+    if size != expected["size"]:
+        return f"{path}: size {size} bytes, manifest says {expected['size']} (truncated or overwritten)"
+    if with_hash and sha256_file(path) != expected["sha256"]:
+        return f"{path}: sha256 differs from the manifest (corrupted)"
+    return None
+
+
+def resolve(path: str) -> str:
+    """Return the complete checkpoint directory to read for `path`, recovering an interrupted replace.
+
+    A save replaces an existing checkpoint by renaming it to ``<path>.old`` and the new one into
+    place; a crash between the two renames leaves only ``<path>.old``, which is then used.
+    """
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        read_manifest(path)
+        return path
+    old = path + OLD_SUFFIX
+    if os.path.isdir(old) and os.path.exists(os.path.join(old, MANIFEST_FILE)):
+        return old
+    parent, base = os.path.split(path)
+    partial = [n for n in (os.listdir(parent) if os.path.isdir(parent) else ())
+               if n.startswith(base + TMP_MARK)]
+    if partial:
+        raise IncompleteCheckpointError(
+            f"no complete checkpoint at {path}; only unfinished saves: "
+            f"{', '.join(os.path.join(parent, n) for n in sorted(partial))}")
+    raise CheckpointNotFoundError(f"no checkpoint at {path}")
+
+
+def replace_dir(tmp: str, path: str) -> None:
+    """Move the finished `tmp` checkpoint to `path`; a complete checkpoint exists at every instant."""
+    path = os.path.abspath(path)
+    old = path + OLD_SUFFIX
+    if os.path.isdir(path):
+        if os.path.isdir(old):
+            shutil.rmtree(old)  # a leftover from an earlier crash; `path` is complete
+        os.rename(path, old)
+    os.rename(tmp, path)
+    fsync_dir(os.path.dirname(path))
+    if os.path.isdir(old):
+        shutil.rmtree(old)
+
+
+def remove_stale_tmp(path: str, keep: str) -> None:
+    """Delete unfinished saves (``<path>.tmp-*``) left by crashed processes, except `keep`."""
+    parent, base = os.path.split(os.path.abspath(path))
+    for name in os.listdir(parent):
+        full = os.path.join(parent, name)
+        if name.startswith(base + TMP_MARK) and full != keep and os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)

@@ -1,0 +1,236 @@
+"""`save` and `load`: sharded, resharding-on-load checkpoints of a model, its optimizer and small user state."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+from typing import Any
+
+import torch
+
+from .. import __version__
+from . import collective, manifest as mf
+from .dcp_io import FlatChunk, load_chunks, save_chunks
+from .entries import (MODEL_PREFIX, Entry, dtype_from_name, dtype_name, engine, is_shard_state,
+                      model_entries, optim_key, optimizer_views)
+from .errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError
+
+STATE_FILE = "shardkit_state.pt"
+
+
+def _check_weights_only(obj: Any, what: str) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - report whatever torch's safe loader refused
+        raise CheckpointError(
+            f"{what} cannot be stored: loading it back would need to unpickle code ({exc}). "
+            "HINT: keep `extra` to tensors, numbers, strings, lists, tuples and dicts "
+            "(e.g. torch.get_rng_state(), scheduler.state_dict(); turn numpy arrays into "
+            "tensors or lists).") from None
+    return buf.getvalue()
+
+
+def _chunk(local: torch.Tensor, view: Any) -> FlatChunk:
+    return FlatChunk(local.detach()[:view.valid_numel], view.offset, _numel(view.full_shape))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _writes(view: Any) -> bool:
+    # One replica writes each chunk; ranks whose shard is all padding write nothing.
+    first_replica = view.replica_group is None or view.replica_group.rank == 0
+    return first_replica and view.valid_numel > 0
+
+
+def _optimizer_state(model, optimizer):
+    """(shard-shaped state by (fqn, key), small state by fqn, param groups by fqn)."""
+    shards, small, groups = {}, {}, []
+    for group, views in zip(optimizer.param_groups, optimizer_views(model, optimizer)):
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [v.fqn for v in views]})
+        for view in views:
+            for key, value in optimizer.state.get(view.param, {}).items():
+                if is_shard_state(value, view):
+                    shards[(view.fqn, key)] = (view, value)
+                else:
+                    small.setdefault(view.fqn, {})[key] = (
+                        value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value)
+    return shards, small, groups
+
+
+def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         extra: Any = None, step: int | None = None) -> str:
+    """Collective: write a sharded checkpoint of model (+ optimizer, + `extra` from rank 0) atomically to `path`."""
+    ctx = collective.context()
+    path = os.path.abspath(os.fspath(path))
+    entries = model_entries(model)
+    shards, small, groups = _optimizer_state(model, optimizer) if optimizer else ({}, {}, None)
+    state_blob, problem = b"", None
+    if ctx.rank == 0:
+        try:
+            state_blob = _check_weights_only(
+                {"extra": extra, "optim_groups": groups, "optim_small": small}, "extra")
+        except CheckpointError as exc:
+            problem = exc
+    if collective.any_rank(ctx, problem is not None):
+        raise problem or CheckpointError("rank 0 could not serialise `extra`; see rank 0's error")
+
+    chunks: dict[str, FlatChunk] = {}
+    for e in entries:
+        if e.view is not None:
+            if _writes(e.view):
+                chunks[MODEL_PREFIX + e.name] = _chunk(e.view.param, e.view)
+        elif ctx.rank == 0:
+            chunks[MODEL_PREFIX + e.name] = FlatChunk(e.buffer.detach().reshape(-1), 0, e.numel)
+        if e.numel == 0 and ctx.rank == 0 and e.view is not None:
+            chunks[MODEL_PREFIX + e.name] = FlatChunk(e.view.param.detach()[:0], 0, 0)
+    for (fqn, key), (view, value) in shards.items():
+        if _writes(view):
+            chunks[optim_key(fqn, key)] = _chunk(value, view)
+
+    tmp = f"{path}{mf.TMP_MARK}{collective.shared_token(ctx):012x}"
+    if ctx.rank == 0:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        mf.remove_stale_tmp(path, keep=tmp)
+        os.makedirs(tmp)
+    ctx.barrier()
+    save_chunks(tmp, chunks, ctx.world.handle)
+    if ctx.rank == 0:
+        with open(os.path.join(tmp, STATE_FILE), "wb") as f:
+            f.write(state_blob)
+            f.flush()
+            os.fsync(f.fileno())
+    ctx.barrier()
+
+    files = mf.data_files(tmp)
+    mine = {i: mf.sha256_file(os.path.join(tmp, rel))
+            for i, rel in enumerate(files) if i % ctx.world_size == ctx.rank}
+    digests = dict(zip(files, collective.merge_digests(ctx, mine, len(files))))
+    failure = None
+    if ctx.rank == 0:
+        try:
+            mf.write_manifest(tmp, _info(model, entries, shards, ctx, extra, step), digests)
+            mf.replace_dir(tmp, path)
+        except OSError as exc:
+            failure = exc
+    if collective.any_rank(ctx, failure is not None):
+        raise CheckpointError(f"saving {path} failed on rank 0: {failure or 'see rank 0'}")
+    return path
+
+
+def _info(model, entries: list[Entry], shards: dict, ctx, extra: Any, step: int | None) -> dict:
+    if step is None and isinstance(extra, dict) and isinstance(extra.get("step"), int):
+        step = extra["step"]
+    model_md = {e.name: {"kind": "param" if e.view is not None else "buffer",
+                         "shape": list(e.shape), "dtype": dtype_name(e.dtype)} for e in entries}
+    optim_md = {optim_key(fqn, key): {"param": fqn, "state": key,
+                                      "shape": list(view.full_shape), "dtype": dtype_name(value.dtype)}
+                for (fqn, key), (view, value) in shards.items()}
+    return {"complete": True, **engine().sharding_info(model), "world_size": ctx.world_size,
+            "backend": ctx.backend.name, "shardkit_version": __version__,
+            "torch_version": torch.__version__, "step": step,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "model": model_md, "optimizer": optim_md}
+
+
+def verify_files(ctx, directory: str, manifest: dict) -> None:
+    """Collective: sizes checked by every rank, sha256 split across ranks; raise naming bad files."""
+    files = sorted(manifest["files"])
+    problems = {}
+    for i, rel in enumerate(files):
+        msg = mf.check_file(directory, rel, manifest["files"][rel],
+                            with_hash=(i % ctx.world_size == ctx.rank))
+        if msg:
+            problems[i] = msg
+    bad = collective.flags_any(ctx, [i in problems for i in range(len(files))])
+    names = [problems.get(i, f"{os.path.join(directory, rel)}: sha256 differs from the manifest "
+                             "(corrupted; checked on another rank)")
+             for i, rel in enumerate(files) if bad[i]]
+    if names:
+        raise CorruptCheckpointError(
+            "checkpoint files do not match their manifest:\n  " + "\n  ".join(names) +
+            "\nHINT: the files were truncated or corrupted after the save; load another checkpoint.")
+
+
+def compare_entries(what: str, expected: dict[str, tuple], found: dict[str, tuple]) -> None:
+    """Raise StateDictMismatchError listing missing, unexpected and differently shaped names."""
+    missing = set(expected) - set(found)
+    unexpected = set(found) - set(expected)
+    mismatched = [f"{k}: source {list(found[k])} vs model {list(expected[k])}"
+                  for k in expected.keys() & found.keys() if tuple(expected[k]) != tuple(found[k])]
+    if missing or unexpected or mismatched:
+        raise StateDictMismatchError(what, missing, unexpected, mismatched)
+
+
+def load(path: str | os.PathLike, model: torch.nn.Module,
+         optimizer: torch.optim.Optimizer | None = None, verify: bool = True) -> Any:
+    """Collective: load a checkpoint saved at any world size/strategy into this sharding; return `extra`."""
+    ctx = collective.context()
+    directory = mf.resolve(os.fspath(path))
+    manifest = mf.read_manifest(directory)
+    if verify:
+        verify_files(ctx, directory, manifest)
+    entries = model_entries(model)
+    compare_entries(f"checkpoint {directory}", {e.name: e.shape for e in entries},
+                    {k: tuple(v["shape"]) for k, v in manifest["model"].items()})
+    state = torch.load(os.path.join(directory, STATE_FILE), weights_only=True)
+
+    chunks: dict[str, FlatChunk] = {}
+    pending = []  # buffers that are not contiguous are read into a copy first
+    for e in entries:
+        if e.view is not None:
+            chunks[MODEL_PREFIX + e.name] = _chunk(e.view.param.data, e.view)
+        else:
+            target = e.buffer.data.view(-1) if e.buffer.is_contiguous() else e.buffer.reshape(-1).clone()
+            if not e.buffer.is_contiguous():
+                pending.append((e.buffer, target))
+            chunks[MODEL_PREFIX + e.name] = FlatChunk(target, 0, e.numel)
+    optim_sd = _prepare_optimizer(model, optimizer, manifest, state, chunks) if optimizer else None
+    load_chunks(directory, chunks, ctx.world.handle)
+    with torch.no_grad():
+        for buf, flat in pending:
+            buf.copy_(flat.view(buf.shape))
+    if optim_sd is not None:
+        optimizer.load_state_dict(optim_sd)
+    return state["extra"]
+
+
+def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: dict) -> dict:
+    saved_groups = state.get("optim_groups")
+    if saved_groups is None:
+        raise CheckpointError("the checkpoint holds no optimizer state. HINT: call "
+                              "shardkit.checkpoint.load(path, model) without an optimizer.")
+    groups = optimizer_views(model, optimizer)
+    if len(groups) != len(saved_groups):
+        raise CheckpointError(f"the optimizer has {len(groups)} param groups, the checkpoint "
+                              f"{len(saved_groups)}. HINT: build the optimizer the same way as at save time.")
+    shard_keys: dict[str, list[tuple[str, dict]]] = {}
+    for key, md in manifest["optimizer"].items():
+        shard_keys.setdefault(md["param"], []).append((key, md))
+    out_state, out_groups, index = {}, [], 0
+    for gi, (views, saved) in enumerate(zip(groups, saved_groups)):
+        names = [v.fqn for v in views]
+        if sorted(names) != sorted(saved["params"]):
+            raise StateDictMismatchError(f"checkpoint optimizer param group {gi}", set(saved["params"]) - set(names),
+                                         set(names) - set(saved["params"]))
+        out_groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                           "params": list(range(index, index + len(views)))})
+        for view in views:
+            per_param = dict(state["optim_small"].get(view.fqn, {}))
+            for key, md in shard_keys.get(view.fqn, []):
+                target = torch.zeros(view.param.numel(), dtype=dtype_from_name(md["dtype"]),
+                                     device=view.param.device)
+                chunks[key] = _chunk(target, view)
+                per_param[md["state"]] = target
+            if per_param:
+                out_state[index] = per_param
+            index += 1
+    return {"state": out_state, "param_groups": out_groups}
