@@ -50,7 +50,7 @@ def _wrap(model: nn.Module, mode: str, ctx, prefetch_off: bool = False) -> nn.Mo
         strategy, prefetch = SHARDKIT_MODES[mode]
         kwargs = {"hybrid_group_size": max(1, ctx.world_size // 2)} if strategy == "HYBRID_SHARD" else {}
         return shardkit.shard(model, strategy=shardkit.ShardingStrategy[strategy],
-                              auto_wrap_policy=shardkit.wrap.module_classes({nn.Linear, nn.Conv2d}),
+                              auto_wrap_policy=shardkit.wrap.transformer_layers({nn.Linear, nn.Conv2d}),
                               prefetch=prefetch, backend=ctx.backend, **kwargs)
     if mode == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -112,7 +112,7 @@ def bench_rank(rank: int, mode: str, args_dict: dict) -> dict:
     times, comm = [], None
     for i in range(a.warmup + a.steps):
         if i == a.warmup and mode in SHARDKIT_MODES:
-            shardkit.comm_stats(model).reset()
+            shardkit.comm_stats(model, reset=True)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
@@ -123,7 +123,7 @@ def bench_rank(rank: int, mode: str, args_dict: dict) -> dict:
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     if mode in SHARDKIT_MODES:
-        comm = shardkit.comm_stats(model).snapshot()["total"] // a.steps
+        comm = shardkit.comm_stats(model)["total"] // a.steps
         source = "measured"
     else:
         comm = _formula_bytes(mode, num_params, world)

@@ -35,11 +35,11 @@ def memory_report(results: list[dict], device_kind: str) -> str:
     """A small table of each rank's memory figures, in MB, for printing after training."""
     peak_label = "peak RSS" if device_kind == "cpu" else "peak allocated"
     header = (f"{'rank':>4}  {'sharded state (measured)':>24}  {'unsharded state (formula)':>25}"
-              f"  {peak_label + ' (measured)':>24}  {'at start':>8}")
+              f"  {peak_label + ' (measured)':>24}  {'before model':>12}")
     lines = ["memory per rank, MB (state = params + grads + optimizer states):", header]
     for r in results:
         mem = r["memory"]
         lines.append(f"{r['rank']:>4}  {mem['state_bytes'] / MB:>24.1f}  "
                      f"{mem['unsharded_formula_bytes'] / MB:>25.1f}  "
-                     f"{mem['peak_bytes'] / MB:>24.1f}  {mem['start_bytes'] / MB:>8.1f}")
+                     f"{mem['peak_bytes'] / MB:>24.1f}  {mem['start_bytes'] / MB:>12.1f}")
     return "\n".join(lines)

@@ -56,7 +56,7 @@ def _shard(model: nn.Module, cfg: DemoConfig, ctx) -> nn.Module:
     import shardkit
 
     return shardkit.shard(model, strategy=shardkit.ShardingStrategy[cfg.strategy.upper()],
-                          auto_wrap_policy=shardkit.wrap.module_classes({nn.Conv2d, nn.Linear}),
+                          auto_wrap_policy=shardkit.wrap.transformer_layers({nn.Conv2d, nn.Linear}),
                           mixed_precision=_mixed_precision(shardkit, ctx.backend,
                                                            cfg.mixed_precision),
                           backend=ctx.backend)
@@ -120,8 +120,9 @@ def train_rank(rank: int, cfg: DemoConfig) -> dict:
     import shardkit
 
     ctx = shardkit.current_context()
-    start_bytes = ctx.backend.memory_stats(ctx.device)["allocated"]
     train, test = load_digits_28(cfg.limit_train)
+    # Taken after the data and its libraries are loaded, so peak - start is what training added.
+    start_bytes = ctx.backend.memory_stats(ctx.device)["allocated"]
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)
     num_params = count_params(model)

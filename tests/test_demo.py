@@ -1,0 +1,99 @@
+"""`shardkit demo`: its data, models and memory formula, and one short real 2-rank training run."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+import torch
+
+from shardkit.demo import cli
+from shardkit.demo.data import load_digits_28, rank_indices, rank_slice
+from shardkit.demo.memory import MB, measured_state_bytes, unsharded_state_bytes
+from shardkit.demo.models import DeepNet, ShallowNet, count_params
+
+CHANCE_ACCURACY = 0.1  # ten balanced classes
+
+
+def test_digits_are_28x28_normalised_and_split_the_same_way_every_time():
+    train, test = load_digits_28()
+    again, _ = load_digits_28()
+    assert train.images.shape == (1438, 1, 28, 28) and len(test) == 359
+    assert torch.equal(train.images, again.images) and torch.equal(train.labels, again.labels)
+    assert abs(train.images.mean().item()) < 1e-4 and abs(train.images.std().item() - 1) < 1e-4
+    # Stratified: every class is in the test set in about its 20% share.
+    assert test.labels.bincount().min().item() >= 30
+
+
+def test_rank_indices_cover_every_sample_with_equal_steps_per_rank():
+    for world in (1, 2, 3, 4):
+        parts = [rank_indices(1438, r, world, epoch=2, seed=7) for r in range(world)]
+        assert len({p.numel() for p in parts}) == 1
+        assert set(torch.cat(parts).tolist()) == set(range(1438))
+        slices = [rank_slice(359, r, world) for r in range(world)]
+        assert sum(s.stop - s.start for s in slices) == 359
+
+
+def test_models_have_the_tutorial_parameter_counts():
+    assert count_params(ShallowNet()) == 32 * 9 + 32 + 64 * 32 * 9 + 64 + 9216 * 128 + 128 + 1290
+    with torch.device("meta"):
+        deep = DeepNet()
+    sizes = [(9216, 9000), (9000, 1000), (1000, 1000), (1000, 1000), (1000, 128), (128, 10)]
+    assert count_params(deep) == 320 + 18496 + sum(i * o + o for i, o in sizes) == 94_104_234
+    assert ShallowNet()(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+def test_state_bytes_of_an_unsharded_adam_step_match_the_formula():
+    model = ShallowNet()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 1, 28, 28)).sum().backward()
+    opt.step()
+    measured = measured_state_bytes(opt)
+    assert measured["total"] == unsharded_state_bytes(count_params(model), "adamw")
+    assert measured["params"] == measured["grads"] == measured["optimizer"] // 2
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="shardkit")
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["demo", *argv])
+
+
+def test_flags_reach_the_config():
+    cfg = cli.config_from_args(_parse(["--strategy", "shard_grad_op", "--model", "deep",
+                                       "--mixed-precision", "bf16", "--nproc", "3", "--lr", "0.5",
+                                       "--epochs", "4", "--batch-size", "16", "--seed", "9"]))
+    assert (cfg.strategy, cfg.model, cfg.mixed_precision, cfg.nproc, cfg.lr, cfg.epochs,
+            cfg.batch_size, cfg.seed) == ("SHARD_GRAD_OP", "deep", "bf16", 3, 0.5, 4, 16, 9)
+    with pytest.raises(SystemExit):
+        _parse(["--model", "resnet"])
+
+
+def test_two_rank_full_shard_run_learns_and_reports_consistent_memory(capfd):
+    args = _parse(["--nproc", "2", "--epochs", "2", "--model", "shallow", "--no-progress",
+                   "--threads-per-rank", "1"])
+    results = cli.run_demo(cli.config_from_args(args))
+    print(cli.summary(results, 0.0))
+    out = capfd.readouterr().out
+
+    accs = {r["history"][-1]["test_accuracy"] for r in results}
+    assert len(accs) == 1, "ranks must agree on the all-reduced test accuracy"
+    assert accs.pop() >= 0.85 > 5 * CHANCE_ACCURACY
+    losses = [h["train_loss"] for h in results[0]["history"]]
+    assert losses[1] < losses[0] < 2.30  # below ln(10), the loss of a uniform guess
+    assert re.findall(r"epoch \d/2 .*test accuracy", out) and "final test accuracy" in out
+
+    params = results[0]["num_params"]
+    formula = unsharded_state_bytes(params, "adadelta")
+    assert formula == 16 * params
+    for r in results:
+        mem = r["memory"]
+        # Each rank holds 1/2 of params, grads and both Adadelta states, plus shard padding
+        # of at most one element per parameter tensor per rank.
+        padding = 4 * 4 * len(list(ShallowNet().parameters()))
+        assert formula / 2 <= mem["state_bytes"] <= formula / 2 + padding
+        assert mem["peak_bytes"] >= mem["start_bytes"] > 0
+        row = (rf"^\s*{r['rank']}\s+{mem['state_bytes'] / MB:.1f}\s+{formula / MB:.1f}\s+"
+               rf"{mem['peak_bytes'] / MB:.1f}\s+{mem['start_bytes'] / MB:.1f}$")
+        assert re.search(row, out, re.MULTILINE), out
