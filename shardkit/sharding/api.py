@@ -1,0 +1,97 @@
+"""`shardkit.shard()`: turn a model into a sharded data-parallel model, in place."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..backend import Backend
+from ..errors import ShardkitError
+from ..runtime import require_context
+from ..wrap import WrapPolicy, as_policy
+from . import hooks
+from .groups import make_groups
+from .materialize import has_meta, materialize
+from .module_api import STATE_ATTR, ShardedModule
+from .param import ShardedParam
+from .plan import ParamPlan, all_param_plans, plan_units
+from .policies import MixedPrecision, ShardConfig, ShardingStrategy
+from .state import ShardState
+from .unit import ShardUnit
+
+
+def _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
+            param_init_fn, backend: Backend) -> ShardConfig:
+    mp = mixed_precision or MixedPrecision()
+    if not isinstance(mp, MixedPrecision):
+        raise ShardkitError(f"mixed_precision must be a shardkit.MixedPrecision, got {type(mp).__name__}")
+    for field_name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        dtype = getattr(mp, field_name)
+        if dtype is not None and not backend.supports_dtype(dtype):
+            raise ShardkitError(f"backend {backend.name!r} does not support {dtype} "
+                                f"(MixedPrecision.{field_name}); HINT: use one of "
+                                f"{sorted(str(d) for d in backend.capabilities.supported_dtypes)}")
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ShardkitError(f"prefetch must be an int >= 0 (0 disables prefetch), got {prefetch!r}")
+    return ShardConfig(ShardingStrategy.parse(strategy), mp, bool(cpu_offload), prefetch,
+                       hybrid_group_size, param_init_fn)
+
+
+def _check_not_sharded(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if STATE_ATTR in module.__dict__:
+            where = f"submodule {name!r}" if name else "the model"
+            raise ShardkitError(f"{where} is already sharded; call shardkit.shard() once, on the "
+                                "root model, and choose units with auto_wrap_policy=")
+
+
+def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+          auto_wrap_policy: WrapPolicy | Callable[[nn.Module], bool] | None = None,
+          mixed_precision: MixedPrecision | None = None, device_id=None,
+          backend: str | Backend | None = None, cpu_offload: bool = False,
+          param_init_fn: Callable[[nn.Module], object] | None = None, prefetch: int = 1,
+          hybrid_group_size: int | None = None) -> nn.Module:
+    """Shard `model` in place over the data-parallel ranks and return it (names unchanged)."""
+    if not isinstance(model, nn.Module):
+        raise ShardkitError(f"shard() needs an nn.Module, got {type(model).__name__}")
+    _check_not_sharded(model)
+    ctx = require_context(backend)
+    be = ctx.backend
+    device = ctx.device if device_id is None else be.normalize_device(device_id, ctx.local_rank)
+    config = _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
+                     param_init_fn, be)
+    shard_group, replica_group = make_groups(be, ctx.world, config.strategy, hybrid_group_size,
+                                             ctx.env.local_world_size)
+    state = ShardState(be, device, ctx.world, shard_group, replica_group, config)
+    units_plan = plan_units(model, as_policy(auto_wrap_policy))
+    shard_device = torch.device("cpu") if config.cpu_offload else device
+    by_param: dict[int, ShardedParam] = {}
+
+    def make(plan: ParamPlan, value: nn.Parameter) -> None:
+        sp = ShardedParam(plan.fqns, plan.owners, value, shard_group,
+                          be.capabilities.shard_alignment, shard_device, device,
+                          config.compute_dtype(value.dtype), be)
+        sp.register(unsharded=False)  # drops the module's reference to the full tensor
+        by_param[id(plan.param)] = sp
+
+    plans = {id(p.param): p for p in all_param_plans(units_plan)}
+    if has_meta(model):
+        materialize(model, device, param_init_fn, lambda meta, real: make(plans[id(meta)], real))
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+    for plan in plans.values():
+        if id(plan.param) not in by_param:
+            make(plan, plan.param)
+    for up in units_plan:
+        unit = ShardUnit(state, up.module, up.name, [by_param[id(p.param)] for p in up.params])
+        state.units.append(unit)
+    state.root_unit = state.units[-1]
+    for unit in state.units:
+        hooks.install(unit)
+    model.__dict__[STATE_ATTR] = state
+    model.__class__ = type(f"Sharded{type(model).__name__}", (ShardedModule, type(model)), {})
+    return model

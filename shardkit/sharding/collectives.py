@@ -1,0 +1,136 @@
+"""Pure helpers for one unit's flat collectives: copy-in, collective, copy-out, and divide factors.
+
+Every flat buffer is laid out (group_size, unit_shard_numel): row r holds, param after param,
+the r-th shard of each parameter. All-gather fills all rows from each rank's own row;
+reduce-scatter leaves row `rank` summed over the group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..backend import Backend
+from ..handles import Group, Work
+from .comm_stats import CommStats
+from .param import ShardedParam
+
+
+def column_offsets(params: Sequence[ShardedParam]) -> list[int]:
+    """Start column of each parameter inside a row of the unit's flat buffer."""
+    offsets, at = [], 0
+    for p in params:
+        offsets.append(at)
+        at += p.shard_numel
+    return offsets
+
+
+@dataclass
+class PendingGather:
+    """An all-gather in flight: wait on `work`, then copy `output` out."""
+
+    work: Work
+    output: torch.Tensor
+    input: torch.Tensor  # kept alive until the collective finished reading it
+
+
+def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device: torch.device,
+                     group: Group, backend: Backend, stats: CommStats | None,
+                     async_op: bool) -> PendingGather:
+    """Copy this rank's shards (cast to `dtype`) into one flat input and start the all-gather."""
+    row = sum(p.shard_numel for p in params)
+    inp = torch.empty(row, dtype=dtype, device=device)
+    for p, at in zip(params, column_offsets(params)):
+        inp[at:at + p.shard_numel].copy_(p.sharded.detach())
+    out = torch.empty(group.size * row, dtype=dtype, device=device)
+    if stats is not None:
+        stats.all_gather(inp.numel() * inp.element_size(), group.size)
+    work = backend.all_gather_into_tensor(out, inp, group, async_op=async_op)
+    return PendingGather(work, out, inp)
+
+
+def copy_out(params: Sequence[ShardedParam], output: torch.Tensor, targets: Sequence[torch.Tensor],
+             group_size: int) -> None:
+    """Copy each parameter's real elements from the gathered rows into its full-shape target."""
+    rows = output.view(group_size, -1)
+    for p, at, target in zip(params, column_offsets(params), targets):
+        flat = target.view(-1)
+        for r in range(group_size):
+            n = p.rank_valid(r)
+            if n:
+                flat[r * p.shard_numel:r * p.shard_numel + n].copy_(rows[r, at:at + n])
+
+
+def gather_full(params: Sequence[ShardedParam], dtype: torch.dtype, device: torch.device,
+                group: Group, backend: Backend, stats: CommStats | None) -> list[torch.Tensor]:
+    """Return fresh full tensors (original shapes, `dtype`) of `params`; synchronous."""
+    pending = start_all_gather(params, dtype, device, group, backend, stats, async_op=False)
+    pending.work.wait()
+    fulls = [torch.empty(p.full_shape, dtype=dtype, device=device) for p in params]
+    copy_out(params, pending.output, fulls, group.size)
+    return fulls
+
+
+def divide_factors(world: int, dtype: torch.dtype) -> tuple[float, float]:
+    """Split the 1/world averaging into a pre- and post-reduction factor.
+
+    fp16 sums overflow easily, so it divides by about sqrt(world) before and the rest after;
+    other dtypes sum first and divide once (exactly the mean's rounding).
+    """
+    if dtype != torch.float16 or world <= 1:
+        return 1.0, float(world)
+    pre = max(d for d in range(1, math.isqrt(world) + 1) if world % d == 0)
+    return float(pre), float(world // pre)
+
+
+@dataclass
+class PendingReduce:
+    """A reduce-scatter in flight for one unit bucket."""
+
+    params: list[ShardedParam]
+    work: Work
+    output: torch.Tensor
+    input: torch.Tensor  # kept alive until the collective finished reading it
+    post_divide: float
+
+
+def start_reduce_scatter(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | None],
+                         dtype: torch.dtype, device: torch.device, group: Group,
+                         backend: Backend, stats: CommStats | None, pre_divide: float,
+                         post_divide: float) -> PendingReduce:
+    """Pack full gradients (zeros where None) into the flat rows and start the sum reduce-scatter."""
+    row = sum(p.shard_numel for p in params)
+    inp = torch.zeros(group.size, row, dtype=dtype, device=device)
+    for p, at, grad in zip(params, column_offsets(params), grads):
+        if grad is None:
+            continue
+        flat = grad.reshape(-1)
+        for r in range(group.size):
+            n = p.rank_valid(r)
+            if n:
+                inp[r, at:at + n].copy_(flat[r * p.shard_numel:r * p.shard_numel + n])
+    if pre_divide != 1.0:
+        inp.div_(pre_divide)
+    out = torch.empty(row, dtype=dtype, device=device)
+    if stats is not None:
+        stats.reduce_scatter(out.numel() * out.element_size(), group.size)
+    work = backend.reduce_scatter_tensor(out, inp.view(-1), group, op="sum", async_op=True)
+    return PendingReduce(list(params), work, out, inp, post_divide)
+
+
+def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backend,
+                  stats: CommStats | None) -> None:
+    """Wait for the reduce-scatter, sum across replicas, divide, and add into the sharded grads."""
+    pending.work.wait()
+    out = pending.output
+    if replica is not None and replica.size > 1:
+        if stats is not None:
+            stats.all_reduce(out.numel() * out.element_size(), replica.size)
+        backend.all_reduce(out, replica, op="sum").wait()
+    if pending.post_divide != 1.0:
+        out.div_(pending.post_divide)
+    for p, at in zip(pending.params, column_offsets(pending.params)):
+        p.accumulate_grad(out[at:at + p.shard_numel])

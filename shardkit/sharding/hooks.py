@@ -1,0 +1,107 @@
+"""Module and autograd hooks that drive each unit through forward and backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .state import ShardState
+from .unit import ShardUnit
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's whole backward is done."""
+
+    @staticmethod
+    def forward(ctx, unit: ShardUnit, *inputs: torch.Tensor):  # noqa: D401 - autograd API
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        unit = ctx.unit
+        unit.forward_uses -= 1
+        if unit.forward_uses == 0 and unit.needs_post_backward:
+            unit.state.post_backward(unit)
+        return (None, *grads)
+
+
+def _cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and torch.is_floating_point(x) and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+    return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+def _route_through_post_backward(unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    leaves, spec = tree_flatten((args, kwargs))
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not idx:
+        return args, kwargs
+    outs = _PostBackward.apply(unit, *[leaves[i] for i in idx])
+    for i, t in zip(idx, outs):
+        leaves[i] = t
+    unit.forward_uses += 1
+    return tree_unflatten(leaves, spec)
+
+
+def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Gather the unit (waiting on a prefetch if one is in flight) and prefetch the next ones."""
+    st: ShardState = unit.state
+    if unit is st.root_unit:
+        st.on_root_pre_forward()
+    st.record_pre_forward(unit)
+    unit.wait_for_unshard()
+    unit.register(unsharded=True)
+    if st.order_recorded:
+        st.prefetch_after(unit, st.forward_order, skip_done=False)
+    mp = st.config.mixed_precision
+    if mp.param_dtype is not None and mp.cast_forward_inputs:
+        args, kwargs = _cast_inputs(args, kwargs, mp.param_dtype)
+    if torch.is_grad_enabled():
+        args, kwargs = _route_through_post_backward(unit, args, kwargs)
+    return args, kwargs
+
+
+def post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
+    """Put the sharded params back, free the gathered ones (FULL_SHARD), hook the outputs."""
+    st: ShardState = unit.state
+    st.record_post_forward(unit)
+    if not st.keep_unsharded:
+        unit.register(unsharded=False)
+        if st.config.reshard_after_forward:
+            unit.reshard()
+    if torch.is_grad_enabled():
+        tensors = [t for t in tree_flatten(output)[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            unit.needs_post_backward = True
+            for t in tensors:
+                t.register_hook(lambda grad, u=unit: _pre_backward(u))
+    if unit is st.root_unit:
+        st.on_root_post_forward()
+    return output
+
+
+def _pre_backward(unit: ShardUnit) -> None:
+    st = unit.state
+    st.queue_finalizer()
+    if not unit.backward_started:
+        unit.backward_started = True
+        unit.wait_for_unshard()
+        st.prefetch_after(unit, st.backward_order(), skip_done=True)
+
+
+def install(unit: ShardUnit) -> list:
+    """Register the forward hooks of one unit on its module; return the removable handles."""
+    module = unit.module
+    return [
+        module.register_forward_pre_hook(
+            lambda m, a, k, u=unit: pre_forward(u, m, a, k), with_kwargs=True, prepend=True),
+        module.register_forward_hook(
+            lambda m, a, k, o, u=unit: post_forward(u, m, a, k, o), with_kwargs=True,
+            always_call=False),
+    ]

@@ -1,0 +1,68 @@
+"""User-facing sharding policies as frozen values: strategy, mixed precision, and the full config."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..errors import ShardkitError
+
+
+class ShardingStrategy(enum.Enum):
+    """How parameters, gradients and optimizer state are split across ranks."""
+
+    FULL_SHARD = "full_shard"  # ZeRO-3: params resharded after forward and after backward
+    SHARD_GRAD_OP = "shard_grad_op"  # ZeRO-2-like: gathered params kept from forward to backward
+    NO_SHARD = "no_shard"  # replicated params, gradients all-reduced (DDP semantics)
+    HYBRID_SHARD = "hybrid_shard"  # shard inside groups of k ranks, replicate across groups
+
+    @classmethod
+    def parse(cls, value: "ShardingStrategy | str") -> "ShardingStrategy":
+        """Accept a member or its name in any case ("full_shard", "FULL_SHARD")."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            for member in cls:
+                if value.lower() in (member.value, member.name.lower()):
+                    return member
+        names = ", ".join(m.name for m in cls)
+        raise ShardkitError(f"unknown sharding strategy {value!r}; choose one of {names}")
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes for compute, gradient reduction and buffers; the sharded parameters stay the master copy."""
+
+    param_dtype: torch.dtype | None = None  # dtype params are gathered and computed in
+    reduce_dtype: torch.dtype | None = None  # dtype gradients are reduced in (default: param_dtype)
+    buffer_dtype: torch.dtype | None = None  # dtype buffers are cast to during forward
+    cast_forward_inputs: bool = True  # cast floating-point forward inputs to param_dtype
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Everything shard() was asked for, normalised; one per sharded model."""
+
+    strategy: ShardingStrategy
+    mixed_precision: MixedPrecision
+    cpu_offload: bool
+    prefetch: int  # unshards allowed in flight ahead of the one being used; 0 disables prefetch
+    hybrid_group_size: int | None
+    param_init_fn: Callable[[torch.nn.Module], Any] | None = None
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FULL_SHARD and HYBRID_SHARD free gathered params after forward; the others keep them."""
+        return self.strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+    def compute_dtype(self, master: torch.dtype) -> torch.dtype:
+        """The dtype a parameter is gathered and used in during forward and backward."""
+        return self.mixed_precision.param_dtype or master
+
+    def reduce_dtype(self, master: torch.dtype) -> torch.dtype:
+        """The dtype a gradient is reduced in."""
+        mp = self.mixed_precision
+        return mp.reduce_dtype or mp.param_dtype or master

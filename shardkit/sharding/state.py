@@ -1,0 +1,143 @@
+"""Per-model engine state: context, groups, units, execution order and the backward finaliser."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from ..backend import Backend
+from ..handles import Group
+from .collectives import PendingReduce
+from .comm_stats import CommStats
+from .policies import ShardConfig
+from .unit import ShardUnit
+
+
+class ShardState:
+    """Everything one sharded model needs at run time; stored on the root module, never global."""
+
+    def __init__(self, backend: Backend, device: torch.device, world: Group, shard_group: Group,
+                 replica_group: Group | None, config: ShardConfig) -> None:
+        self.backend = backend
+        self.device = device  # compute device
+        self.world = world
+        self.shard_group = shard_group
+        self.replica_group = replica_group
+        self.config = config
+        caps = backend.capabilities
+        self.async_collectives = caps.async_collectives
+        self.needs_compiler_barrier = caps.needs_compiler_barrier
+        self.stats = CommStats()
+        self.units: list[ShardUnit] = []  # root unit last
+        self.root_unit: ShardUnit | None = None
+        self.forward_order: list[ShardUnit] = []  # pre-forward order seen in the first iteration
+        self.post_forward_order: list[ShardUnit] = []
+        self.order_recorded = False
+        self.recording = False
+        self.no_sync = False
+        self.keep_unsharded = 0  # depth of model.unshard() contexts
+        self.finalizer_queued = False
+        self.reductions: list[tuple[ShardUnit, PendingReduce]] = []
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks whose gradients are averaged."""
+        return self.shard_group.size * (self.replica_group.size if self.replica_group else 1)
+
+    @property
+    def strategy_name(self) -> str:
+        """The strategy's name, e.g. "FULL_SHARD"."""
+        return self.config.strategy.name
+
+    # ---- iteration boundaries ------------------------------------------------------------
+    def on_root_pre_forward(self) -> None:
+        """Start recording execution order on the first forward with grad."""
+        if not self.order_recorded and not self.recording and torch.is_grad_enabled():
+            self.recording = True
+
+    def on_root_post_forward(self) -> None:
+        """Stop recording once the first full forward finished."""
+        if self.recording:
+            self.recording = False
+            self.order_recorded = True
+
+    def record_pre_forward(self, unit: ShardUnit) -> None:
+        """Remember the order units first run in, for forward prefetch."""
+        if self.recording and unit not in self.forward_order:
+            self.forward_order.append(unit)
+
+    def record_post_forward(self, unit: ShardUnit) -> None:
+        """Remember the order units finish forward; backward runs roughly in reverse."""
+        if self.recording and unit not in self.post_forward_order:
+            self.post_forward_order.append(unit)
+
+    # ---- prefetch --------------------------------------------------------------------------
+    def prefetch_after(self, unit: ShardUnit, order: list[ShardUnit], skip_done: bool) -> None:
+        """Issue the all-gathers of the next units in `order`, keeping at most `prefetch` in flight."""
+        limit = self.config.prefetch
+        if limit <= 0 or unit not in order:
+            return
+        in_flight = sum(1 for u in self.units if u.in_flight)
+        for nxt in order[order.index(unit) + 1:]:
+            if in_flight >= limit:
+                return
+            if skip_done and nxt.backward_started:
+                continue
+            if nxt.is_unsharded or nxt.in_flight:
+                continue
+            nxt.unshard(async_op=True)
+            in_flight += 1
+
+    def backward_order(self) -> list[ShardUnit]:
+        """Units in the order backward reaches them: the reverse of their post-forward order."""
+        return list(reversed(self.post_forward_order))
+
+    # ---- backward ----------------------------------------------------------------------------
+    def queue_finalizer(self) -> None:
+        """Ask autograd to run finalize_backward once the current backward pass ends."""
+        if not self.finalizer_queued:
+            self.finalizer_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
+
+    def post_backward(self, unit: ShardUnit) -> None:
+        """Reduce one unit's grads (unless in no_sync) and reshard it."""
+        unit.needs_post_backward = False
+        if not self.no_sync:
+            started = unit.reduce_grads()
+            # Keep one unit's reductions in flight: older ones finish now so their full-size
+            # inputs are freed (peak memory ~ one unit of gradients).
+            self.wait_reductions()
+            self.reductions.extend((unit, r) for r in started)
+        if not self.keep_unsharded:
+            unit.reshard()
+            unit.register(unsharded=False)
+
+    def wait_reductions(self) -> None:
+        """Finish every reduction in flight into the sharded grads."""
+        pending, self.reductions = self.reductions, []
+        for unit, reduction in pending:
+            unit.finish(reduction)
+
+    def finalize_backward(self) -> None:
+        """Run at the end of backward: reduce what hooks did not, wait, reshard, reset counters."""
+        try:
+            for unit in reversed(self.units):
+                if unit.needs_post_backward:
+                    self.post_backward(unit)
+            self.wait_reductions()
+            for unit in self.units:
+                if not self.keep_unsharded:
+                    unit.reshard()
+                    unit.register(unsharded=False)
+        finally:
+            for unit in self.units:
+                unit.forward_uses = 0
+                unit.needs_post_backward = False
+                unit.backward_started = False
+            self.finalizer_queued = False
+
+    def iter_params(self) -> Iterable:
+        """Every ShardedParam of the model, unit by unit."""
+        for unit in self.units:
+            yield from unit.params

@@ -1,0 +1,85 @@
+"""The engine <-> checkpoint contract (/work/team/CONTRACT.md): what a sharded model exposes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ..errors import ShardkitError
+from ..handles import Group
+from .collectives import gather_full
+from .module_api import get_state
+from .param import ShardedParam
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """How one parameter is split: its names, shapes, and this rank's slice."""
+
+    fqn: str
+    full_shape: torch.Size
+    dtype: torch.dtype
+    param: nn.Parameter
+    shard_numel: int
+    offset: int
+    valid_numel: int
+    shard_group: Group
+    replica_group: Group | None
+    requires_grad: bool
+
+
+def _by_fqn(module: nn.Module) -> dict[str, ShardedParam]:
+    return {fqn: sp for sp in get_state(module).iter_params() for fqn in sp.fqns}
+
+
+def shard_views(module: nn.Module) -> list[ShardView]:
+    """Every sharded parameter of a module returned by shardkit.shard(), in state_dict order."""
+    state = get_state(module)
+    by_fqn = _by_fqn(module)
+    views = []
+    for fqn in module.state_dict(keep_vars=True):
+        sp = by_fqn.get(fqn)
+        if sp is None:
+            continue  # a buffer
+        views.append(ShardView(fqn, sp.full_shape, sp.master_dtype, sp.sharded, sp.shard_numel,
+                               sp.offset, sp.valid_numel, state.shard_group, state.replica_group,
+                               sp.requires_grad))
+    return views
+
+
+def iter_unit_full_params(module: nn.Module) -> Iterator[tuple[list[str], dict[str, torch.Tensor]]]:
+    """Collective: yield (fqns, {fqn: full master-dtype tensor}) unit by unit; memory freed on advance."""
+    state = get_state(module)
+    for unit in state.units:
+        fulls: dict[str, torch.Tensor] = {}
+        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
+        for sp in unit.params:
+            by_dtype.setdefault(sp.master_dtype, []).append(sp)
+        for dtype, params in by_dtype.items():
+            for sp, full in zip(params, gather_full(params, dtype, state.device, state.shard_group,
+                                                    state.backend, state.stats)):
+                for fqn in sp.fqns:
+                    fulls[fqn] = full
+        fqns = [fqn for sp in unit.params for fqn in sp.fqns]
+        yield fqns, fulls
+        del fulls
+
+
+def load_full_param_(module: nn.Module, fqn: str, full: torch.Tensor) -> None:
+    """Copy this rank's slice of a full tensor into the sharded parameter in place (no communication)."""
+    sp = _by_fqn(module).get(fqn)
+    if sp is None:
+        raise ShardkitError(f"{fqn!r} is not a sharded parameter of this model; HINT: names are "
+                            "those of the original model's state_dict() (buffers are not sharded)")
+    sp.load_full(full.detach())
+
+
+def sharding_info(module: nn.Module) -> dict:
+    """{"world_size", "strategy", "shard_group_size", "replica_group_size"} of a sharded model."""
+    state = get_state(module)
+    return {"world_size": state.world.size, "strategy": state.strategy_name,
+            "shard_group_size": state.shard_group.size,
+            "replica_group_size": state.replica_group.size if state.replica_group else 1}
