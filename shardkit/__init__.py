@@ -13,6 +13,8 @@ from .runtime import DistContext, current_context, init, shutdown
 from .selection import backend_statuses, get_backend
 from .spawn import spawn
 from .replicate import replicate
+from . import wrap
+from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, comm_stats, shard)
 
 __all__ = [
     "API_VERSION", "Backend", "BackendNotFoundError", "BackendUnavailableError", "Capabilities",
@@ -21,4 +23,5 @@ __all__ = [
     "Work", "__version__", "backend_statuses", "current_context", "detect_launch_env",
     "get_backend", "hookimpl", "hookspec", "init", "register_plugin", "reset_plugins",
     "shutdown", "spawn", "replicate",
+    "MixedPrecision", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "shard", "wrap",
 ]
