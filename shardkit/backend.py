@@ -320,6 +320,19 @@ class Backend:
         """Keyword arguments DistributedDataParallel needs on this backend."""
         return {}
 
+    # ---- launching ----------------------------------------------------------------------------
+    def launch_command(self, nproc_per_node: str, launcher_args: Sequence[str],
+                       script_argv: Sequence[str]) -> list[str]:
+        """Return the command `shardkit launch` runs: torchrun by default; a backend with its own launcher overrides this."""
+        import sys
+
+        # torchrun (torch.distributed.run) starts the ranks and sets RANK, WORLD_SIZE, LOCAL_RANK
+        # and MASTER_ADDR/PORT, which shardkit.init() reads; launcher_args are torchrun options.
+        # "--" stops torchrun's parser from reading the script's own options (it rejects a script's
+        # "--nproc" as an ambiguous abbreviation of its --nproc-per-node otherwise).
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
+                *launcher_args, "--", *script_argv]
+
 
 def process_memory() -> dict[str, int]:
     """Return this process's resident and peak resident memory in bytes (Linux and macOS)."""
