@@ -51,7 +51,7 @@ class Backend:
         raise NotImplementedError
 
     def process_group_backend(self) -> str:
-        """Return the torch.distributed backend string (gloo, nccl, ...)."""
+        """Return the torch.distributed backend string, e.g. "gloo"."""
         raise NotImplementedError
 
     # ---- optional class attributes ------------------------------------------------------------
@@ -238,7 +238,9 @@ class Backend:
         """Create a subgroup; every rank of the job must call this with the same ranks."""
         import torch.distributed as dist
 
-        ranks = tuple(int(r) for r in ranks)
+        # torch orders a group by ascending global rank whatever order it is given; so do we,
+        # or Group.rank and Group.ranks would disagree with where collectives put each slice.
+        ranks = tuple(sorted(int(r) for r in ranks))
         handle = dist.new_group(list(ranks))
         me = dist.get_rank()
         return Group(ranks.index(me) if me in ranks else -1, len(ranks), ranks, handle)

@@ -59,7 +59,7 @@ def _local_size(environ: Mapping[str, str], var: str, launcher: str, world_size:
         return world_size
     if launcher == "slurm":  # SLURM_NTASKS_PER_NODE may read "4(x2)" on heterogeneous jobs
         raw = raw.split("(")[0]
-    return int(raw)
+    return _int({var: raw}, var)
 
 
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:

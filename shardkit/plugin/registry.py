@@ -9,6 +9,11 @@ _REQUIRED = ("is_available", "requirement_hint", "local_device", "device_count",
              "process_group_backend")
 
 
+def _defined_by(cls: type, member: str) -> type | None:
+    """Return the class in `cls`'s MRO that defines `member` (getattr would bind classmethods anew)."""
+    return next((klass for klass in cls.__mro__ if member in vars(klass)), None)
+
+
 class BackendRegistry:
     """Holds the Backend classes that plugins registered, keyed by backend name."""
 
@@ -29,7 +34,7 @@ class BackendRegistry:
         if not isinstance(getattr(cls, "device_type", None), str):
             raise ShardkitError(f"{cls.__qualname__} (plugin {self.current_plugin!r}) needs a class "
                                 "attribute `device_type`, a torch device type string")
-        missing = [m for m in _REQUIRED if getattr(cls, m) is getattr(Backend, m)]
+        missing = [m for m in _REQUIRED if _defined_by(cls, m) is Backend]
         if missing:
             raise ShardkitError(f"{cls.__qualname__} (plugin {self.current_plugin!r}) does not "
                                 f"implement the required member(s) {missing}")

@@ -1,0 +1,7 @@
+"""`python -m shardkit ...` runs the `shardkit` command."""
+
+import sys
+
+from .cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The `shardkit` command line (entry point: shardkit.cli.main:main)."""
