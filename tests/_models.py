@@ -58,3 +58,14 @@ def global_batch(step: int, world: int, size: int = 4) -> tuple[torch.Tensor, to
     """The concatenation of every rank's batch at one step (what the reference trains on)."""
     parts = [batch(step, r, size) for r in range(world)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+class TwiceNet(TinyNet):
+    """TinyNet that applies its first block twice (a module called twice in one forward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Same as TinyNet, with blocks[0] applied two times in a row."""
+        h = self.embed(torch.relu(self.conv(x)).flatten(2).transpose(1, 2))
+        h = self.blocks[0](self.blocks[0](h))
+        h = self.blocks[1](h)
+        return self.head(self.norm(h).mean(dim=1))

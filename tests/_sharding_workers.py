@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -29,29 +30,79 @@ def max_diff(full: dict[str, torch.Tensor], ref: torch.nn.Module) -> float:
                for k, p in ref.named_parameters())
 
 
-def parity_run(rank: int, strategy: str, world: int, shard_kwargs: dict | None = None,
-               seed: int = 0, lr: float = 1e-2) -> list[float]:
-    """Train TinyNet sharded and unsharded (on the global batch) side by side; per-step max diffs."""
+def _build(seed: int, meta: bool, freeze: tuple[str, ...], tie: bool,
+           model_cls: type) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(reference model, model to shard): equal values, same frozen/tied structure."""
     torch.manual_seed(seed)
-    ref = TinyNet()
-    model = copy.deepcopy(ref)
+    ref = model_cls()
+    if meta:
+        with torch.device("meta"):
+            torch.manual_seed(seed)
+            model = model_cls()
+    for name in freeze:
+        ref.get_parameter(name).requires_grad_(False)
+    if tie:
+        ref.blocks[1].proj.weight = ref.blocks[0].proj.weight
+    if not meta:
+        model = copy.deepcopy(ref)  # keeps ties
+    else:
+        for name in freeze:
+            model.get_parameter(name).requires_grad_(False)
+        if tie:
+            model.blocks[1].proj.weight = model.blocks[0].proj.weight
+    return ref, model
+
+
+def parity_run(rank: int, strategy: str, world: int, shard_kwargs: dict | None = None, *,
+               seed: int = 0, lr: float = 1e-2, micro: int = 1, clip: float | None = None,
+               freeze: tuple[str, ...] = (), tie: bool = False, meta: bool = False,
+               two_forwards: bool = False, model_cls: type = TinyNet) -> dict:
+    """Train sharded and unsharded (on the global batch) side by side; report per-step differences.
+
+    micro > 1: the first micro-1 backward passes run under no_sync; the reference accumulates the
+    same micro-batches. two_forwards: two forward passes, one backward of the summed loss.
+    """
+    ref, model = _build(seed, meta, freeze, tie, model_cls)
     model = shardkit.shard(model, strategy=strategy,
                            auto_wrap_policy=shardkit.wrap.transformer_layers({Block}),
                            **(shard_kwargs or {}))
+    out: dict = {"init_diff": max_diff(full_params(model), ref), "diffs": [], "norms": [],
+                 "frozen_grads": [], "devices": sorted({str(p.device) for p in model.parameters()})}
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
-    diffs = []
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=lr)
     for step in range(STEPS):
-        x, y = batch(step, rank)
-        F.cross_entropy(model(x), y).backward()
+        for j in range(micro):
+            sync = j == micro - 1
+            idx = step * micro + j
+            with (model.no_sync() if not sync else contextlib.nullcontext()):
+                loss = F.cross_entropy(model(batch(idx, rank)[0]), batch(idx, rank)[1])
+                if two_forwards:
+                    loss = loss + F.cross_entropy(model(batch(idx + 500, rank)[0]),
+                                                  batch(idx + 500, rank)[1])
+                loss.backward()
+            gx, gy = global_batch(idx, world)
+            ref_loss = F.cross_entropy(ref(gx), gy)
+            if two_forwards:
+                gx2, gy2 = global_batch(idx + 500, world)
+                ref_loss = ref_loss + F.cross_entropy(ref(gx2), gy2)
+            ref_loss.backward()
+        if clip is not None:
+            ours = shardkit.clip_grad_norm_(model, clip)
+            theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            out["norms"].append((float(ours), float(theirs)))
+        out["frozen_grads"].append(sum(p.grad is not None for p in model.parameters()
+                                       if not p.requires_grad))
         opt.step()
         opt.zero_grad()
-        gx, gy = global_batch(step, world)
-        F.cross_entropy(ref(gx), gy).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        diffs.append(max_diff(full_params(model), ref))
-    return diffs
+        stats = shardkit.comm_stats(model, reset=True)  # before full_params adds its gathers
+        out["rs_calls"] = out.get("rs_calls", 0) + stats["calls"].get("reduce_scatter", 0)
+        out["ar_calls"] = out.get("ar_calls", 0) + stats["calls"].get("all_reduce", 0)
+        out["peak_in_flight"] = max(out.get("peak_in_flight", 0), stats["peak_prefetch_in_flight"])
+        out["diffs"].append(max_diff(full_params(model), ref))
+        shardkit.comm_stats(model, reset=True)
+    return out
 
 
 def api_checks(rank: int, world: int) -> dict:
@@ -84,3 +135,77 @@ def api_checks(rank: int, world: int) -> dict:
     out["load_same_object"] = model.get_parameter("head.weight") is before
     out["load_roundtrip"] = torch.equal(full_params(model)["head.weight"], target)
     return out
+
+
+def mp_parity_run(rank: int, world: int, strategy: str = "FULL_SHARD") -> list[float]:
+    """bf16 compute + fp32 reduce vs a reference doing the same casts: per-rank bf16 replicas
+    of the fp32 master, bf16 grads cast to fp32, summed in rank order and divided by world."""
+    torch.manual_seed(0)
+    ref = TinyNet()
+    mp = shardkit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = shardkit.shard(copy.deepcopy(ref), strategy=strategy, mixed_precision=mp,
+                           auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    diffs = []
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        logits = model(x)
+        assert logits.dtype == torch.bfloat16
+        F.cross_entropy(logits, y).backward()
+        opt.step()
+        opt.zero_grad()
+        grads = None
+        for r in range(world):
+            replica = copy.deepcopy(ref).to(torch.bfloat16)
+            xr, yr = batch(step, r)
+            F.cross_entropy(replica(xr.to(torch.bfloat16)), yr).backward()
+            g = [p.grad.float() for p in replica.parameters()]
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        for p, g in zip(ref.parameters(), grads):
+            p.grad = g / world
+        ref_opt.step()
+        ref_opt.zero_grad()
+        diffs.append(max_diff(full_params(model), ref))
+    return diffs
+
+
+def unshard_checks(rank: int, world: int) -> dict:
+    """model.unshard(): full weights once, forward without extra gathers, shards restored after."""
+    torch.manual_seed(0)
+    ref = TinyNet()
+    model = shardkit.shard(copy.deepcopy(ref), auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+    x, _ = batch(0, rank)
+    shardkit.comm_stats(model, reset=True)
+    with torch.no_grad(), model.unshard():
+        shapes_full = all(p.shape == q.shape for p, q in zip(model.parameters(), ref.parameters()))
+        y = model(x)
+        y2 = model(x)
+    calls = shardkit.comm_stats(model)["calls"].get("all_gather", 0)
+    return {"shapes_full": shapes_full, "out_diff": (y - ref(x)).abs().max().item(),
+            "repeat_equal": torch.equal(y, y2), "gather_calls": calls,
+            "units": len(model._shardkit_state.units),
+            "sharded_after": all(p.dim() == 1 for p in model.parameters())}
+
+
+def features(rank: int, world: int) -> dict:
+    """Many engine features on one set of ranks (each spawn costs seconds; share it)."""
+    from _models import TwiceNet
+
+    frozen_front = ("conv.weight", "conv.bias", "embed.weight", "embed.bias")
+    return {
+        "no_sync": parity_run(rank, "FULL_SHARD", world, micro=3),
+        "no_sync_sgo": parity_run(rank, "SHARD_GRAD_OP", world, micro=2),
+        "frozen": parity_run(rank, "FULL_SHARD", world,
+                             freeze=("blocks.0.fc1.weight", "blocks.0.fc1.bias", "head.bias")),
+        "inputs_no_grad": parity_run(rank, "FULL_SHARD", world, freeze=frozen_front),
+        "tied": parity_run(rank, "FULL_SHARD", world, tie=True),
+        "meta": parity_run(rank, "FULL_SHARD", world, meta=True),
+        "two_forwards": parity_run(rank, "FULL_SHARD", world, two_forwards=True),
+        "called_twice": parity_run(rank, "FULL_SHARD", world, model_cls=TwiceNet),
+        "cpu_offload": parity_run(rank, "FULL_SHARD", world, {"cpu_offload": True}),
+        "prefetch0": parity_run(rank, "FULL_SHARD", world, {"prefetch": 0}),
+        "prefetch2": parity_run(rank, "FULL_SHARD", world, {"prefetch": 2}),
+        "mixed_precision": mp_parity_run(rank, world),
+        "unshard": unshard_checks(rank, world),
+    }

@@ -21,5 +21,5 @@ def test_parity_every_strategy(world):
     results = shardkit.spawn(_all_strategies, world, world, threads_per_rank=1)
     for rank, per_strategy in enumerate(results):
         for strategy, diffs in per_strategy.items():
-            assert len(diffs) == 5
-            assert max(diffs) <= TOL, (world, rank, strategy, diffs)
+            assert len(diffs["diffs"]) == 5
+            assert max(diffs["diffs"]) <= TOL, (world, rank, strategy, diffs)

@@ -87,7 +87,8 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
         if id(plan.param) not in by_param:
             make(plan, plan.param)
     for up in units_plan:
-        unit = ShardUnit(state, up.module, up.name, [by_param[id(p.param)] for p in up.params])
+        unit = ShardUnit(state, up.module, up.name, [by_param[id(p.param)] for p in up.params],
+                         up.buffers)
         state.units.append(unit)
     state.root_unit = state.units[-1]
     for unit in state.units:

@@ -11,6 +11,7 @@ class CommStats:
     def __init__(self) -> None:
         self.bytes: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+        self.peak_prefetch_in_flight = 0  # most all-gathers issued ahead of use at one time
 
     def all_gather(self, shard_bytes: int, group_size: int) -> None:
         """Record an all-gather: a ring sends (N-1) shards per rank."""
@@ -24,6 +25,10 @@ class CommStats:
         """Record an all-reduce: reduce-scatter + all-gather, 2(N-1)/N of the tensor per rank."""
         self._add("all_reduce", 2 * (group_size - 1) * nbytes // group_size, group_size)
 
+    def note_in_flight(self, count: int) -> None:
+        """Remember the largest number of prefetched all-gathers in flight together."""
+        self.peak_prefetch_in_flight = max(self.peak_prefetch_in_flight, count)
+
     def _add(self, kind: str, nbytes: int, group_size: int) -> None:
         if group_size > 1:
             self.bytes[kind] += nbytes
@@ -35,9 +40,11 @@ class CommStats:
                for kind in ("all_gather", "reduce_scatter", "all_reduce")}
         out["total"] = sum(out.values())
         out["calls"] = dict(self.calls)
+        out["peak_prefetch_in_flight"] = self.peak_prefetch_in_flight
         return out
 
     def reset(self) -> None:
         """Zero every counter."""
         self.bytes.clear()
         self.calls.clear()
+        self.peak_prefetch_in_flight = 0

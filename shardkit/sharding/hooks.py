@@ -59,6 +59,8 @@ def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: d
     if st.order_recorded:
         st.prefetch_after(unit, st.forward_order, skip_done=False)
     mp = st.config.mixed_precision
+    if mp.buffer_dtype is not None:
+        unit.cast_buffers(mp.buffer_dtype)
     if mp.param_dtype is not None and mp.cast_forward_inputs:
         args, kwargs = _cast_inputs(args, kwargs, mp.param_dtype)
     if torch.is_grad_enabled():
@@ -70,6 +72,7 @@ def post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: 
     """Put the sharded params back, free the gathered ones (FULL_SHARD), hook the outputs."""
     st: ShardState = unit.state
     st.record_post_forward(unit)
+    unit.restore_buffers()
     if not st.keep_unsharded:
         unit.register(unsharded=False)
         if st.config.reshard_after_forward:

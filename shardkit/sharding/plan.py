@@ -27,6 +27,7 @@ class UnitPlan:
     name: str
     module: nn.Module
     params: list[ParamPlan] = field(default_factory=list)
+    buffers: list[tuple[nn.Module, str]] = field(default_factory=list)  # cast under buffer_dtype
 
 
 def _choose_unit_modules(root: nn.Module, policy: WrapPolicy | None) -> dict[str, nn.Module]:
@@ -88,6 +89,10 @@ def plan_units(root: nn.Module, policy: WrapPolicy | None) -> list[UnitPlan]:
                 plan.owners.append((module, attr))
             plan.unit_names.append(_unit_of(mod_name, unit_names))
     units = {name: UnitPlan(name, module) for name, module in chosen.items()}
+    for mod_name, module in root.named_modules():
+        for attr, buf in module._buffers.items():
+            if buf is not None:
+                units[_unit_of(mod_name, unit_names)].buffers.append((module, attr))
     for plan in by_id.values():
         plan.unit = _common_unit(plan.unit_names, unit_names)
         units[plan.unit].params.append(plan)

@@ -88,6 +88,7 @@ class ShardState:
                 continue
             nxt.unshard(async_op=True)
             in_flight += 1
+            self.stats.note_in_flight(in_flight)
 
     def backward_order(self) -> list[ShardUnit]:
         """Units in the order backward reaches them: the reverse of their post-forward order."""

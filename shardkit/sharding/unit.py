@@ -27,8 +27,11 @@ class ShardUnit:
     """Parameters of one wrapped module (minus those of nested units), gathered and reduced as one."""
 
     def __init__(self, state: "ShardState", module: nn.Module, name: str,
-                 params: list[ShardedParam]) -> None:
+                 params: list[ShardedParam],
+                 buffers: list[tuple[nn.Module, str]] | None = None) -> None:
         self.state = state
+        self.buffers = buffers or []
+        self._stashed_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
         self.module = module
         self.name = name or "<root>"
         self.params = params
@@ -113,3 +116,20 @@ class ShardUnit:
     def finish(self, pending: PendingReduce) -> None:
         """Complete one of this unit's reductions into the sharded grads."""
         finish_reduce(pending, self.state.replica_group, self.state.backend, self.state.stats)
+
+    # ---- buffers under MixedPrecision.buffer_dtype --------------------------------------------
+    def cast_buffers(self, dtype: torch.dtype) -> None:
+        """Swap floating buffers for `dtype` copies for the duration of forward."""
+        for module, name in self.buffers:
+            buf = module._buffers.get(name)
+            if buf is not None and torch.is_floating_point(buf) and buf.dtype != dtype:
+                self._stashed_buffers.append((module, name, buf))
+                module._buffers[name] = buf.to(dtype)
+
+    def restore_buffers(self) -> None:
+        """Put the original-dtype buffers back, keeping updates forward made (running stats)."""
+        with torch.no_grad():
+            for module, name, original in self._stashed_buffers:
+                original.copy_(module._buffers[name])
+                module._buffers[name] = original
+        self._stashed_buffers = []

@@ -1,0 +1,79 @@
+"""Engine features on 2 ranks, each against unsharded training on the concatenated batch.
+
+One spawn runs every scenario (a spawn costs seconds); each test checks one scenario's numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import shardkit
+
+from _sharding_workers import features
+
+TOL = 1e-5  # fp32 Adam; observed differences are below 1.1e-6
+UNITS = 3  # TinyNet with transformer_layers({Block}): two blocks + the root
+
+
+@pytest.fixture(scope="module")
+def results():
+    return shardkit.spawn(features, 2, 2, threads_per_rank=1)
+
+
+def _ok(run):
+    return run["init_diff"] == 0.0 and len(run["diffs"]) == 5 and max(run["diffs"]) <= TOL
+
+
+def test_no_sync_accumulation_equals_one_big_batch_and_skips_communication(results):
+    for r in results:
+        assert _ok(r["no_sync"]) and _ok(r["no_sync_sgo"])
+        # One reduce-scatter per unit per optimizer step, not per micro-batch.
+        assert r["no_sync"]["rs_calls"] == 5 * UNITS
+        assert r["no_sync_sgo"]["rs_calls"] == 5 * UNITS
+
+
+def test_frozen_parameters_get_no_gradient(results):
+    for r in results:
+        assert _ok(r["frozen"]) and _ok(r["inputs_no_grad"])
+        assert r["frozen"]["frozen_grads"] == [0] * 5
+
+
+def test_tied_parameters_across_units(results):
+    for r in results:
+        assert _ok(r["tied"])
+
+
+def test_meta_init_equals_eager_init_then_trains_the_same(results):
+    for r in results:
+        assert _ok(r["meta"])  # init_diff == 0.0 is part of _ok
+
+
+def test_several_forwards_before_one_backward_and_module_called_twice(results):
+    for r in results:
+        assert _ok(r["two_forwards"]) and _ok(r["called_twice"])
+
+
+def test_cpu_offload_keeps_shards_on_cpu(results):
+    for r in results:
+        assert _ok(r["cpu_offload"]) and r["cpu_offload"]["devices"] == ["cpu"]
+
+
+def test_prefetch_depth_is_bounded_and_does_not_change_numbers(results):
+    for r in results:
+        assert _ok(r["prefetch0"]) and _ok(r["prefetch2"])
+        assert r["prefetch0"]["peak_in_flight"] == 0
+        assert r["prefetch2"]["peak_in_flight"] == 2
+        assert r["no_sync"]["peak_in_flight"] == 1  # the default, prefetch=1
+
+
+def test_mixed_precision_matches_a_reference_doing_the_same_casts(results):
+    for r in results:
+        assert max(r["mixed_precision"]) <= TOL
+
+
+def test_unshard_context_gathers_once_and_restores_shards(results):
+    for r in results:
+        u = r["unshard"]
+        assert u["shapes_full"] and u["repeat_equal"] and u["sharded_after"]
+        assert u["out_diff"] == 0.0
+        assert u["gather_calls"] == u["units"] == UNITS
