@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -13,21 +13,25 @@ from .errors import CheckpointError
 from .safetensors_io import DEFAULT_MAX_SHARD_SIZE, SafetensorsLayout, read_full_source
 
 
-def iter_full_tensors(model: torch.nn.Module):
-    """Collective: yield (name, full tensor) for every state_dict entry, holding one unit at a time.
+def visit_full_tensors(model: torch.nn.Module, visit: Callable[[str, torch.Tensor], None]) -> None:
+    """Collective: call visit(name, full tensor) for every state_dict entry, holding one unit at a time.
 
-    Tensors are valid only until the next item (the engine frees each unit as it advances).
+    Tensors are valid only during the call: no reference to a unit survives into the next gather.
     """
     entries = model_entries(model)
     seen = set()
     for e in entries:
         if e.buffer is not None:
             seen.add(e.name)
-            yield e.name, e.buffer.detach()
-    for _, unit in engine().iter_unit_full_params(model):
-        for fqn, tensor in unit.items():
+            visit(e.name, e.buffer.detach())
+    units = iter(engine().iter_unit_full_params(model))
+    while (item := next(units, None)) is not None:
+        unit = item[1]
+        del item
+        for fqn in list(unit):
             seen.add(fqn)
-            yield fqn, tensor
+            visit(fqn, unit[fqn])
+        del unit
     missing = [e.name for e in entries if e.name not in seen]
     if missing:
         raise CheckpointError(f"the engine gathered no full tensor for {missing}")
@@ -43,9 +47,11 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = True,
     ctx = collective.context()
     keep = ctx.rank == 0 or not rank0_only
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_full_tensors(model):
-        if keep:
-            out[name] = tensor.detach().to("cpu" if cpu_offload else tensor.device, copy=True)
+    if keep:
+        visit_full_tensors(model, lambda name, tensor: out.__setitem__(
+            name, tensor.detach().to("cpu" if cpu_offload else tensor.device, copy=True)))
+    else:
+        visit_full_tensors(model, lambda name, tensor: None)
     if not keep:
         return {}
     order = [e.name for e in model_entries(model)]
@@ -68,9 +74,11 @@ def export(path: str | os.PathLike, model: torch.nn.Module,
     if ctx.rank == 0:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         layout.create(tmp)
-    for name, tensor in iter_full_tensors(model):
-        if ctx.rank == 0:
-            layout.write(tmp, name, tensor.to(_cast_dtype(tensor.dtype, dtype)))
+    if ctx.rank == 0:
+        visit_full_tensors(model, lambda name, tensor: layout.write(
+            tmp, name, tensor.to(_cast_dtype(tensor.dtype, dtype))))
+    else:
+        visit_full_tensors(model, lambda name, tensor: None)
     failure = None
     if ctx.rank == 0:
         try:
