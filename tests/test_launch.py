@@ -23,7 +23,7 @@ TIMEOUT = 240
 
 def launch_cmd() -> list[str]:
     """How a user runs `shardkit launch` from this checkout's environment."""
-    return [sys.executable, "-m", "shardkit.cli.launch"]
+    return [sys.executable, "-m", "shardkit.cli.main", "launch"]
 
 
 def child_env() -> dict[str, str]:
