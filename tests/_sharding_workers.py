@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import copy
 
 import torch
@@ -55,6 +56,7 @@ def _build(seed: int, meta: bool, freeze: tuple[str, ...], tie: bool,
 
 def parity_run(rank: int, strategy: str, world: int, shard_kwargs: dict | None = None, *,
                seed: int = 0, lr: float = 1e-2, micro: int = 1, clip: float | None = None,
+               norm_type: float = 2.0,
                freeze: tuple[str, ...] = (), tie: bool = False, meta: bool = False,
                two_forwards: bool = False, model_cls: type = TinyNet) -> dict:
     """Train sharded and unsharded (on the global batch) side by side; report per-step differences.
@@ -87,8 +89,8 @@ def parity_run(rank: int, strategy: str, world: int, shard_kwargs: dict | None =
                 ref_loss = ref_loss + F.cross_entropy(ref(gx2), gy2)
             ref_loss.backward()
         if clip is not None:
-            ours = shardkit.clip_grad_norm_(model, clip)
-            theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            ours = shardkit.clip_grad_norm_(model, clip, norm_type)
+            theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip, norm_type)
             out["norms"].append((float(ours), float(theirs)))
         out["frozen_grads"].append(sum(p.grad is not None for p in model.parameters()
                                        if not p.requires_grad))
@@ -209,3 +211,104 @@ def features(rank: int, world: int) -> dict:
         "mixed_precision": mp_parity_run(rank, world),
         "unshard": unshard_checks(rank, world),
     }
+
+
+def fsdp2_compare(rank: int, world: int) -> dict:
+    """Same model, data and AdamW under shardkit FULL_SHARD and torch's own FSDP2 (fully_shard).
+
+    FSDP2 on gloo once summed instead of averaging (pytorch#162338); the grad ratio to the
+    reference is measured rather than assumed, and FSDP2's grads are divided by it.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from shardkit.sharding import shard_views
+
+    torch.manual_seed(0)
+    ref = TinyNet()
+    theirs = copy.deepcopy(ref)
+    for block in theirs.blocks:
+        fully_shard(block)
+    fully_shard(theirs)
+    ours = shardkit.shard(copy.deepcopy(ref), auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+    opt_t = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    opt_o = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    out: dict = {"grad_diffs": [], "param_diffs": []}
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        F.cross_entropy(theirs(x), y).backward()
+        F.cross_entropy(ours(x), y).backward()
+        full_t = {n: p.grad.full_tensor() for n, p in theirs.named_parameters()}
+        if step == 0:
+            gx, gy = global_batch(step, world)
+            F.cross_entropy(ref(gx), gy).backward()
+            g = ref.embed.weight.grad
+            out["fsdp2_grad_ratio"] = (full_t["embed.weight"].norm() / g.norm()).item()
+        factor = round(out["fsdp2_grad_ratio"])
+        out["grad_diffs"].append(max(
+            (v.param.grad[:v.valid_numel]
+             - full_t[v.fqn].reshape(-1)[v.offset:v.offset + v.valid_numel] / factor).abs().max().item()
+            for v in shard_views(ours)))
+        opt_t.step()
+        opt_t.zero_grad()
+        opt_o.step()
+        opt_o.zero_grad()
+        mine = full_params(ours)
+        out["param_diffs"].append(max((mine[n] - p.full_tensor()).abs().max().item()
+                                      for n, p in theirs.named_parameters()))
+    return out
+
+
+def bytes_one_step(rank: int, world: int, strategy: str, shard_kwargs: dict | None = None) -> dict:
+    """Bytes this rank sent in one training step, with the numbers the formulas need."""
+    from shardkit.sharding import shard_views
+
+    torch.manual_seed(0)
+    model = shardkit.shard(TinyNet(), strategy=strategy,
+                           auto_wrap_policy=shardkit.wrap.transformer_layers({Block}),
+                           **(shard_kwargs or {}))
+    views = shard_views(model)
+    shardkit.comm_stats(model, reset=True)
+    x, y = batch(0, rank)
+    F.cross_entropy(model(x), y).backward()
+    stats = shardkit.comm_stats(model, reset=True)
+    n = views[0].shard_group.size
+    return {"stats": stats, "P": sum(v.full_shape.numel() for v in views),
+            "padded": sum(v.shard_numel * n for v in views), "shard_group": n,
+            "replica_group": views[0].replica_group.size if views[0].replica_group else 1}
+
+
+def clip_run(rank: int, world: int) -> dict:
+    """clip_grad_norm_ (2-norm with clipping active, and inf-norm) against torch's on the reference."""
+    return {"l2": parity_run(rank, "FULL_SHARD", world, clip=0.05),
+            "inf": parity_run(rank, "FULL_SHARD", world, clip=0.01, norm_type=float("inf")),
+            "hybrid_l2": (parity_run(rank, "HYBRID_SHARD", world, {"hybrid_group_size": 2}, clip=0.05)
+                          if world == 4 else None)}
+
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+
+
+def suite(rank: int, world: int) -> dict:
+    """Every multi-rank check that runs at this world size, in one spawn."""
+    out: dict = {"parity": {s: parity_run(rank, s, world) for s in STRATEGIES}}
+    if world == 2:
+        out["features"] = features(rank, world)
+        out["fsdp2"] = fsdp2_compare(rank, world)
+    if world == 3:
+        out["api"] = api_checks(rank, world)
+        out["clip"] = clip_run(rank, world)
+        out["bytes"] = {s: bytes_one_step(rank, world, s) for s in STRATEGIES}
+    if world == 4:
+        hybrid = {"hybrid_group_size": 2}
+        out["parity"]["HYBRID_SHARD"] = parity_run(rank, "HYBRID_SHARD", world, hybrid)
+        out["hybrid_no_sync"] = parity_run(rank, "HYBRID_SHARD", world, hybrid, micro=2)
+        out["hybrid_info"] = __import__("shardkit.sharding", fromlist=["x"]).sharding_info(
+            shardkit.shard(TinyNet(), strategy="HYBRID_SHARD", hybrid_group_size=2))
+        out["clip"] = clip_run(rank, world)
+        out["bytes"] = {"HYBRID_SHARD": bytes_one_step(rank, world, "HYBRID_SHARD", hybrid)}
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def spawn_suite(world: int) -> list[dict]:
+    """Run `suite` on `world` ranks once per test session; test files share the result."""
+    return shardkit.spawn(suite, world, world, threads_per_rank=1)

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import torch
 
-import shardkit
+from _sharding_workers import spawn_suite
 
-from _sharding_workers import api_checks
+TINYNET_PARAMS = 30
 
 
 def test_names_views_and_load_full_param_on_three_ranks():
-    results = shardkit.spawn(api_checks, 3, 3, threads_per_rank=1)
+    results = [r["api"] for r in spawn_suite(3)]
     for rank, r in enumerate(results):
         assert r["names_same"] and r["keys_same"] and r["all_1d"]
         assert r["info"] == {"world_size": 3, "strategy": "FULL_SHARD", "shard_group_size": 3,
                              "replica_group_size": 1}
-        assert len(r["views"]) == 30  # every TinyNet parameter, state_dict order
+        assert len(r["views"]) == TINYNET_PARAMS  # every parameter, state_dict order
         for v in r["views"]:
             padded = -(-v["numel"] // 3) * 3
             assert v["shard_numel"] == padded // 3

@@ -1,15 +1,13 @@
 """Engine features on 2 ranks, each against unsharded training on the concatenated batch.
 
-One spawn runs every scenario (a spawn costs seconds); each test checks one scenario's numbers.
+One spawn (shared with the 2-rank parity test) runs every scenario; each test checks one.
 """
 
 from __future__ import annotations
 
 import pytest
 
-import shardkit
-
-from _sharding_workers import features
+from _sharding_workers import spawn_suite
 
 TOL = 1e-5  # fp32 Adam; observed differences are below 1.1e-6
 UNITS = 3  # TinyNet with transformer_layers({Block}): two blocks + the root
@@ -17,7 +15,7 @@ UNITS = 3  # TinyNet with transformer_layers({Block}): two blocks + the root
 
 @pytest.fixture(scope="module")
 def results():
-    return shardkit.spawn(features, 2, 2, threads_per_rank=1)
+    return [r["features"] for r in spawn_suite(2)]
 
 
 def _ok(run):

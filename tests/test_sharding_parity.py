@@ -1,25 +1,35 @@
-"""Sharded training equals unsharded training on the concatenated batch, for every strategy."""
+"""Sharded training equals unsharded training on the concatenated batch, for every strategy.
+
+World sizes 1, 2, 3 (uneven shards: TinyNet's 3607 parameters pad to 3639 over 3 ranks) and 4
+(HYBRID_SHARD in groups of 2). Each world size is one spawn shared with the other sharding test
+files (tests/_sharding_workers.spawn_suite).
+"""
 
 from __future__ import annotations
 
 import pytest
 
-import shardkit
+from _sharding_workers import spawn_suite
 
-from _sharding_workers import parity_run
-
-TOL = 1e-5  # fp32; observed differences are ~5e-7 (summation order of the gradient mean)
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+TOL = 1e-5  # fp32 AdamW; observed differences are ~5e-7 (summation order of the gradient mean)
 
 
-def _all_strategies(rank: int, world: int) -> dict[str, list[float]]:
-    return {s: parity_run(rank, s, world) for s in STRATEGIES}
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_parity_every_strategy_after_every_step(world):
+    expected = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"} | ({"HYBRID_SHARD"} if world == 4 else set())
+    for rank, result in enumerate(spawn_suite(world)):
+        assert set(result["parity"]) == expected
+        for strategy, run in result["parity"].items():
+            assert run["init_diff"] == 0.0
+            assert len(run["diffs"]) == 5
+            assert max(run["diffs"]) <= TOL, (world, rank, strategy, run["diffs"])
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_parity_every_strategy(world):
-    results = shardkit.spawn(_all_strategies, world, world, threads_per_rank=1)
-    for rank, per_strategy in enumerate(results):
-        for strategy, diffs in per_strategy.items():
-            assert len(diffs["diffs"]) == 5
-            assert max(diffs["diffs"]) <= TOL, (world, rank, strategy, diffs)
+def test_hybrid_shard_groups_and_accumulation():
+    for result in spawn_suite(4):
+        assert result["hybrid_info"] == {"world_size": 4, "strategy": "HYBRID_SHARD",
+                                         "shard_group_size": 2, "replica_group_size": 2}
+        run = result["hybrid_no_sync"]
+        assert max(run["diffs"]) <= TOL
+        # one reduce-scatter (inside the pair) and one all-reduce (across pairs) per unit per step
+        assert run["rs_calls"] == run["ar_calls"] == 5 * 3
