@@ -45,7 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--limit-train", type=_positive_int, default=None,
                    help="train on only the first N training images (quick checks)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.set_defaults(func=run)
+    p.set_defaults(run=run)
     return p
 
 
