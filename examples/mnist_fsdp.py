@@ -11,7 +11,6 @@ scikit-learn's bundled handwritten digits upscaled to MNIST's 28x28 (no download
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -23,6 +22,8 @@ from torch.optim.lr_scheduler import StepLR
 import shardkit
 from shardkit.checkpoint import full_state_dict
 from shardkit.demo.data import batches, load_digits_28, rank_indices, rank_slice
+
+from launching import add_launch_args, run  # examples/launching.py
 
 
 class Net(nn.Module):
@@ -103,7 +104,7 @@ def test(model, ctx, test_data, batch_size):
 
 def fsdp_main(rank, args):
     """One rank: shard the model, train and test every epoch, optionally save the full weights."""
-    ctx = shardkit.current_context() or shardkit.init(args.backend)
+    ctx = shardkit.current_context()
     train_data, test_data = load_digits_28(limit_train=args.limit_train)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = Net()
@@ -144,25 +145,15 @@ def parse_args(argv=None):
                         help='random seed (default: 1)')
     parser.add_argument('--save-model', default=None, metavar='PATH',
                         help='rank 0 saves the full (unsharded) weights here')
-    parser.add_argument('--backend', default=None,
-                        help='shardkit backend: cpu, cuda, xpu, xla (default: best available)')
-    parser.add_argument('--nproc', type=int, default=None,
-                        help='ranks to spawn when no launcher started us (default: devices, 2 on cpu)')
     parser.add_argument('--limit-train', type=int, default=None, metavar='N',
                         help='train on the first N training images only (quick runs)')
+    add_launch_args(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None):
-    """Run under a launcher (torchrun/mpirun/SLURM) as one rank, or spawn --nproc local ranks."""
-    args = parse_args(argv)
-    if "RANK" in os.environ or "PMI_RANK" in os.environ or "SLURM_PROCID" in os.environ:
-        fsdp_main(None, args)
-        shardkit.shutdown()
-        return
-    be = shardkit.get_backend(args.backend)
-    nproc = args.nproc or (2 if be.device_type == "cpu" else max(be.device_count(), 1))
-    shardkit.spawn(fsdp_main, nproc, args, backend=be.name)
+    """Run as one rank under a launcher (shardkit launch, mpirun, SLURM), or spawn --nproc ranks."""
+    run(fsdp_main, parse_args(argv))
 
 
 if __name__ == '__main__':

@@ -14,7 +14,6 @@ synthetic: continue arithmetic sequences (x, x+k, x+2k, ... mod vocab) with k hi
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from dataclasses import dataclass
 
@@ -25,6 +24,8 @@ from torch.optim.lr_scheduler import StepLR
 
 import shardkit
 from shardkit.checkpoint import full_state_dict
+
+from launching import add_launch_args, run  # examples/launching.py
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ def mixed_precision_policy(args, backend):
 
 def fsdp_main(rank, args):
     """One rank: build, shard, train, validate, and keep the best full checkpoint."""
-    ctx = shardkit.current_context() or shardkit.init(args.backend)
+    ctx = shardkit.current_context()
     cfg = TransformerConfig(n_layers=args.layers, d_model=args.d_model)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = TinyTransformerLM(cfg)
@@ -204,22 +205,13 @@ def parse_args(argv=None):
                         help="layers whose parameters are gathered ahead (0: none)")
     parser.add_argument("--save", default=None, metavar="PATH",
                         help="rank 0 saves the best model's full state dict here")
-    parser.add_argument("--backend", default=None, help="cpu, cuda, xpu, xla (default: best available)")
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="ranks to spawn when no launcher started us (default: devices, 2 on cpu)")
+    add_launch_args(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None):
-    """Run under a launcher as one rank, or spawn --nproc local ranks."""
-    args = parse_args(argv)
-    if "RANK" in os.environ or "PMI_RANK" in os.environ or "SLURM_PROCID" in os.environ:
-        fsdp_main(None, args)
-        shardkit.shutdown()
-        return
-    be = shardkit.get_backend(args.backend)
-    nproc = args.nproc or (2 if be.device_type == "cpu" else max(be.device_count(), 1))
-    shardkit.spawn(fsdp_main, nproc, args, backend=be.name)
+    """Run as one rank under a launcher (shardkit launch, mpirun, SLURM), or spawn --nproc ranks."""
+    run(fsdp_main, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ EXAMPLES = ROOT / "examples"
 
 def load_example(name: str):
     """Import examples/<name>.py as a module (for its model classes and helpers)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))  # as when the example runs as a script
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
