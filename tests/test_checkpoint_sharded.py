@@ -141,13 +141,10 @@ def run_save(rank, root):
     optim3 = local_optim(model, opt)
     more = train(model, opt, rank, ws, 3, 3)
     final = ck.full_state_dict(model)
-    return {"losses": losses + more, "sd3": sd, "optim3": optim3, "final": final,
-            "peak_sd": peak_sd, "peak_export": peak_export}
-
-
-def run_killed_save(rank, root):
-    model, opt = sharded_net(seed=1)
-    train(model, opt, rank, 2, 0, 1)
+    # The results go to a file: this run ends with rank 1 killed in the middle of another save.
+    torch.save({"losses": losses + more, "sd3": sd, "optim3": optim3, "final": final,
+                "peak_sd": peak_sd, "peak_export": peak_export},
+               os.path.join(root, f"save_rank{rank}.pt"))
     if rank == 1:
         from shardkit.checkpoint import collective
 
@@ -230,10 +227,10 @@ def _drop_manifest(d):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
-    results = shardkit.spawn(run_save, 2, root, threads_per_rank=1)
+    with pytest.raises(Exception, match="signal SIGKILL"):
+        shardkit.spawn(run_save, 2, root, threads_per_rank=1)
+    results = [torch.load(os.path.join(root, f"save_rank{r}.pt"), weights_only=True) for r in (0, 1)]
     torch.save(results[0]["sd3"], os.path.join(root, "sd3.pt"))
-    with pytest.raises(Exception):
-        shardkit.spawn(run_killed_save, 2, root, threads_per_rank=1)
     return root, results
 
 
@@ -288,6 +285,7 @@ def test_killed_save_leaves_previous_checkpoint(saved):
     root, _ = saved
     info = ck.inspect_checkpoint(os.path.join(root, "ckpt"))
     assert info["step"] == 3 and info["world_size"] == 2  # not the killed save's step 99
+    assert ck.inspect_checkpoint(os.path.join(root, "ckpt"))["path"] == os.path.join(root, "ckpt")
     partial = [d for d in os.listdir(root) if d.startswith("ckpt.tmp-")]
     assert len(partial) == 1
     with pytest.raises(ck.IncompleteCheckpointError, match="incomplete"):
@@ -357,10 +355,28 @@ def test_one_rank_no_shard_errors_and_full_state_dict_loading(saved):
     missing, unexpected, mismatched, text = errors["deeper"]
     assert missing == sorted(f"blocks.{BLOCKS}.{n}" for n in
                              ("lin.weight", "lin.bias", "norm.weight", "norm.bias"))
-    assert not unexpected and not mismatched and "blocks.6.lin.weight" in text
+    assert not unexpected and not mismatched and f"blocks.{BLOCKS}.lin.weight" in text
     missing, unexpected, mismatched, text = errors["wider"]
     assert not missing and not unexpected and len(mismatched) == 3 + 4 * BLOCKS
     assert "inp.weight: source [64, 6] vs model [66, 6]" in text
     for name, sd in full.items():
         for key, t in results[0]["sd3"].items():
             assert sd[key].equal(t), (name, key)
+
+
+def test_cli_inspect_and_consolidate_offline(saved, tmp_path, capsys):
+    import torch.distributed as dist
+
+    from shardkit.cli.main import main
+
+    root, results = saved
+    assert not dist.is_initialized()  # offline: this process never joined a process group
+    assert main(["inspect", os.path.join(root, "ckpt")]) == 0
+    text = capsys.readouterr().out
+    assert "world size   2   strategy FULL_SHARD" in text and "step         3" in text
+    assert "blocks.11.norm.bias" in text and "(64, 64)" in text and "float32" in text
+    assert main(["consolidate", os.path.join(root, "ckpt"), str(tmp_path / "out")]) == 0
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    assert list(merged) and all(merged[k].equal(t) for k, t in results[0]["sd3"].items())
+    assert main(["inspect", str(tmp_path / "missing")]) == 1
+    assert "no checkpoint at" in capsys.readouterr().err

@@ -2,16 +2,30 @@
 
 ``save``/``load`` write and read sharded checkpoints (torch.distributed.checkpoint) that reshard on
 load; ``full_state_dict`` and ``export`` gather unit by unit; ``load_full_state_dict`` loads full
-weights into a sharded model; ``consolidate`` and ``inspect_checkpoint`` work offline.
+weights into a sharded model; ``consolidate`` and ``inspect`` (``inspect_checkpoint``) work offline.
 """
 
-from .consolidate import consolidate, format_inspection, inspect_checkpoint
+from importlib import import_module
+from typing import Any
+
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError, StateDictMismatchError)
-from .full import export, full_state_dict, load_full_state_dict
-from .sharded import load, save
 
-inspect = inspect_checkpoint
+# Imported on first use: torch.distributed.checkpoint is slow to import and the `shardkit` CLI
+# registers these subcommands without needing it.
+_LAZY = {"save": "sharded", "load": "sharded", "full_state_dict": "full", "export": "full",
+         "load_full_state_dict": "full", "consolidate": "offline",
+         "inspect_checkpoint": "offline", "format_inspection": "offline"}
+
+
+def __getattr__(name: str) -> Any:
+    """Resolve the public functions lazily from their modules."""
+    if name == "inspect":
+        name = "inspect_checkpoint"
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shardkit.checkpoint' has no attribute {name!r}")
+    return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
            "IncompleteCheckpointError", "StateDictMismatchError", "consolidate", "export",

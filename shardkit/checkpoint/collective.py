@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..runtime import DistContext, require_context
+from .errors import CheckpointError
 
 
 def context() -> DistContext:
@@ -46,3 +47,18 @@ def merge_digests(ctx: DistContext, digests: dict[int, str], count: int) -> list
         t[i] = torch.tensor(list(bytes.fromhex(hexdigest)), dtype=torch.int64)
     ctx.backend.all_reduce(t, ctx.world)
     return [bytes(row).hex() for row in t.cpu().tolist()][:count]
+
+
+def on_rank0(ctx: DistContext, what: str, fn: Callable[[], Any]) -> Any:
+    """Run fn on rank 0 only; if it fails, every rank raises, so no rank waits in a later collective."""
+    result, failure = None, None
+    if ctx.rank == 0:
+        try:
+            result = fn()
+        except (OSError, CheckpointError) as exc:
+            failure = exc
+    if any_rank(ctx, failure is not None):
+        if isinstance(failure, CheckpointError):
+            raise failure
+        raise CheckpointError(f"{what} failed on rank 0: {failure or 'see the error on rank 0'}")
+    return result

@@ -71,23 +71,14 @@ def export(path: str | os.PathLike, model: torch.nn.Module,
     layout = SafetensorsLayout([(e.name, e.shape, _cast_dtype(e.dtype, dtype)) for e in entries],
                                max_shard_size)
     tmp = f"{path}{mf.TMP_MARK}{collective.shared_token(ctx):012x}"
-    if ctx.rank == 0:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        layout.create(tmp)
+    collective.on_rank0(ctx, f"creating {tmp}", lambda: layout.create(tmp))
     if ctx.rank == 0:
         visit_full_tensors(model, lambda name, tensor: layout.write(
             tmp, name, tensor.to(_cast_dtype(tensor.dtype, dtype))))
     else:
         visit_full_tensors(model, lambda name, tensor: None)
-    failure = None
-    if ctx.rank == 0:
-        try:
-            layout.finish(tmp)
-            mf.replace_dir(tmp, path)
-        except OSError as exc:
-            failure = exc
-    if collective.any_rank(ctx, failure is not None):
-        raise CheckpointError(f"export to {path} failed on rank 0: {failure or 'see rank 0'}")
+    collective.on_rank0(ctx, f"export to {path}", lambda: (layout.finish(tmp),
+                                                           mf.replace_dir(tmp, path)))
     return path
 
 

@@ -22,11 +22,13 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-           torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
-           torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32",
-           torch.uint64: "U64"}
+# In the order the safetensors library lays tensors out (its Dtype enum, descending), which keeps
+# every tensor aligned and makes our files byte-identical to safetensors.torch.save_file's.
+_DTYPES = {torch.uint64: "U64", torch.int64: "I64", torch.float64: "F64", torch.float32: "F32",
+           torch.uint32: "U32", torch.int32: "I32", torch.bfloat16: "BF16", torch.float16: "F16",
+           torch.uint16: "U16", torch.int16: "I16", torch.float8_e4m3fn: "F8_E4M3",
+           torch.float8_e5m2: "F8_E5M2", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_RANK = {dtype: i for i, dtype in enumerate(_DTYPES)}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -79,8 +81,7 @@ class SafetensorsLayout:
 
     @staticmethod
     def _lay_out(f: _File) -> None:
-        # Like the safetensors library: widest dtypes first, then by name, so every tensor is aligned.
-        order = sorted(f.tensors, key=lambda t: (-t[2].itemsize, t[0]))
+        order = sorted(f.tensors, key=lambda t: (_RANK[t[2]], t[0]))
         header: dict = {"__metadata__": {"format": "pt"}}
         pos = 0
         rel = {}

@@ -73,15 +73,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     path = os.path.abspath(os.fspath(path))
     entries = model_entries(model)
     shards, small, groups = _optimizer_state(model, optimizer) if optimizer else ({}, {}, None)
-    state_blob, problem = b"", None
-    if ctx.rank == 0:
-        try:
-            state_blob = _check_weights_only(
-                {"extra": extra, "optim_groups": groups, "optim_small": small}, "extra")
-        except CheckpointError as exc:
-            problem = exc
-    if collective.any_rank(ctx, problem is not None):
-        raise problem or CheckpointError("rank 0 could not serialise `extra`; see rank 0's error")
+    state_blob = collective.on_rank0(ctx, "serialising `extra`", lambda: _check_weights_only(
+        {"extra": extra, "optim_groups": groups, "optim_small": small}, "extra"))
 
     chunks: dict[str, FlatChunk] = {}
     for e in entries:
@@ -97,33 +90,32 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             chunks[optim_key(fqn, key)] = _chunk(value, view)
 
     tmp = f"{path}{mf.TMP_MARK}{collective.shared_token(ctx):012x}"
-    if ctx.rank == 0:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        mf.remove_stale_tmp(path, keep=tmp)
-        os.makedirs(tmp)
-    ctx.barrier()
+    collective.on_rank0(ctx, f"creating {tmp}", lambda: _make_tmp(path, tmp))
     save_chunks(tmp, chunks, ctx.world.handle)
-    if ctx.rank == 0:
-        with open(os.path.join(tmp, STATE_FILE), "wb") as f:
-            f.write(state_blob)
-            f.flush()
-            os.fsync(f.fileno())
-    ctx.barrier()
+    collective.on_rank0(ctx, f"writing {STATE_FILE}", lambda: _write_synced(
+        os.path.join(tmp, STATE_FILE), state_blob))
 
     files = mf.data_files(tmp)
     mine = {i: mf.sha256_file(os.path.join(tmp, rel))
             for i, rel in enumerate(files) if i % ctx.world_size == ctx.rank}
     digests = dict(zip(files, collective.merge_digests(ctx, mine, len(files))))
-    failure = None
-    if ctx.rank == 0:
-        try:
-            mf.write_manifest(tmp, _info(model, entries, shards, ctx, extra, step), digests)
-            mf.replace_dir(tmp, path)
-        except OSError as exc:
-            failure = exc
-    if collective.any_rank(ctx, failure is not None):
-        raise CheckpointError(f"saving {path} failed on rank 0: {failure or 'see rank 0'}")
+    info = _info(model, entries, shards, ctx, extra, step)
+    collective.on_rank0(ctx, f"saving {path}", lambda: (
+        mf.write_manifest(tmp, info, digests), mf.replace_dir(tmp, path)))
     return path
+
+
+def _make_tmp(path: str, tmp: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    mf.remove_stale_tmp(path, keep=tmp)
+    os.makedirs(tmp)
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _info(model, entries: list[Entry], shards: dict, ctx, extra: Any, step: int | None) -> dict:

@@ -11,6 +11,8 @@ import sys
 from typing import Callable, Sequence
 
 from .._version import __version__
+from ..checkpoint.cli import add_parser as add_checkpoint_commands
+from ..demo.cli import add_parser as add_demo
 from ..errors import ShardkitError
 from .launch import add_launch
 
@@ -31,7 +33,9 @@ def add_info(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_info, add_launch)
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_info, add_launch,
+                                                                      add_checkpoint_commands,
+                                                                      add_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,141 @@
+"""Checkpoint file layer without processes: safetensors writer, manifest, crash recovery, safe metadata."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shardkit.checkpoint import manifest as mf
+from shardkit.checkpoint.dcp_io import SafeFileSystemReader
+from shardkit.checkpoint.errors import (CheckpointNotFoundError, CorruptCheckpointError,
+                                        IncompleteCheckpointError)
+from shardkit.checkpoint.safetensors_io import (INDEX_FILE, SafetensorsLayout, parse_size,
+                                                read_full_source)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+          torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+def _tensors(n=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(n):
+        dtype = DTYPES[i % len(DTYPES)]
+        shape = [(3, 5), (7,), (0, 4), (), (2, 3, 4)][i % 5]
+        t = torch.randn(shape, generator=gen) * 50
+        out[f"layer{i % 7}.{'abcdefgh'[i % 8]}{i}"] = t.to(dtype)
+    return out
+
+
+def _write(layout, directory, tensors):
+    layout.create(directory)
+    names = list(tensors)
+    random.Random(1).shuffle(names)  # gathered units arrive in any order
+    for name in names:
+        layout.write(directory, name, tensors[name])
+    layout.finish(directory)
+
+
+def test_single_file_is_byte_identical_to_safetensors_library(tmp_path):
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    layout = SafetensorsLayout([(k, tuple(v.shape), v.dtype) for k, v in tensors.items()])
+    _write(layout, tmp_path / "ours", tensors)
+    assert os.listdir(tmp_path / "ours") == ["model.safetensors"]
+    assert ((tmp_path / "ours" / "model.safetensors").read_bytes()
+            == (tmp_path / "ref.safetensors").read_bytes())
+
+
+def test_split_files_respect_the_size_limit_and_index(tmp_path):
+    tensors = {f"w{i}": torch.randn(10, 10) for i in range(10)}  # 400 bytes each
+    tensors["big"] = torch.randn(50, 10)  # larger than the limit: a file of its own
+    layout = SafetensorsLayout([(k, tuple(v.shape), v.dtype) for k, v in tensors.items()], 1000)
+    _write(layout, tmp_path, tensors)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [f"model-{i:05d}-of-00006.safetensors" for i in range(1, 7)]
+    for f in files:
+        part = load_file(tmp_path / f)
+        assert sum(t.nbytes for t in part.values()) <= 1000 or list(part) == ["big"]
+        assert all(index["weight_map"][k] == f for k in part)
+    shapes, get = read_full_source(tmp_path)
+    assert shapes == {k: tuple(v.shape) for k, v in tensors.items()}
+    assert all(get(k).equal(v) for k, v in tensors.items())
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
+    assert parse_size(123) == 123 and parse_size("1.5MB") == 1_500_000
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots")
+
+
+def _complete_checkpoint(directory, payload=b"weights"):
+    os.makedirs(directory)
+    (directory / "data.bin").write_bytes(payload)
+    mf.write_manifest(str(directory), {"step": len(payload)},
+                      {"data.bin": mf.sha256_file(str(directory / "data.bin"))})
+
+
+def test_replace_keeps_a_complete_checkpoint_at_every_instant(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    _complete_checkpoint(path, b"old")
+    _complete_checkpoint(tmp_path / "ckpt.tmp-1", b"newer")
+    real_rename = os.rename
+    calls = []
+
+    def crash_on_second(src, dst):
+        calls.append(src)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("simulated crash between the two renames")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(mf.os, "rename", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        mf.replace_dir(str(tmp_path / "ckpt.tmp-1"), str(path))
+    monkeypatch.setattr(mf.os, "rename", real_rename)
+    assert not path.exists()
+    recovered = mf.resolve(str(path))  # the previous checkpoint, under its .old name
+    assert recovered == str(path) + ".old" and mf.read_manifest(recovered)["step"] == 3
+    mf.replace_dir(str(tmp_path / "ckpt.tmp-1"), str(path))  # the next save finishes the job
+    assert mf.read_manifest(mf.resolve(str(path)))["step"] == 5
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_incomplete_missing_and_damaged_checkpoints_are_named(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint at"):
+        mf.resolve(str(tmp_path / "nothing"))
+    os.makedirs(tmp_path / "half.tmp-abc")
+    with pytest.raises(IncompleteCheckpointError, match="half.tmp-abc"):
+        mf.resolve(str(tmp_path / "half"))
+    os.makedirs(tmp_path / "nomanifest")
+    with pytest.raises(IncompleteCheckpointError, match="manifest.json is missing"):
+        mf.resolve(str(tmp_path / "nomanifest"))
+    _complete_checkpoint(tmp_path / "ok", b"0123456789")
+    m = mf.read_manifest(str(tmp_path / "ok"))["files"]["data.bin"]
+    assert mf.check_file(str(tmp_path / "ok"), "data.bin", m) is None
+    (tmp_path / "ok" / "data.bin").write_bytes(b"0123456788")
+    assert "data.bin: sha256 differs" in mf.check_file(str(tmp_path / "ok"), "data.bin", m)
+    (tmp_path / "ok" / "data.bin").write_bytes(b"01234")
+    assert "data.bin: size 5 bytes, manifest says 10" in mf.check_file(str(tmp_path / "ok"),
+                                                                       "data.bin", m)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch exploited",))
+
+
+def test_dcp_metadata_is_never_unpickled_as_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    with pytest.raises(CorruptCheckpointError, match="refusing to load posix.system"):
+        SafeFileSystemReader(str(tmp_path)).read_metadata()
+    assert not (tmp_path / "exploited").exists()
