@@ -26,7 +26,7 @@ class DemoConfig:
 
     model: str = "shallow"
     strategy: str = "FULL_SHARD"
-    epochs: int = 3
+    epochs: int = 6
     batch_size: int = 32
     optimizer: str = "adadelta"
     lr: float | None = None
@@ -71,7 +71,7 @@ def _optimizer(model: nn.Module, cfg: DemoConfig) -> torch.optim.Optimizer:
 
 def _all_sum(ctx, values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
-    ctx.backend.all_reduce(t, ctx.world, op="sum")
+    ctx.backend.all_reduce(t, ctx.world, op="sum").wait()
     return t.tolist()
 
 
@@ -104,6 +104,7 @@ def _train_epoch(model, opt, train, cfg: DemoConfig, ctx, epoch: int) -> float:
         loss = F.cross_entropy(model(x).float(), y)
         loss.backward()
         opt.step()
+        ctx.backend.step_boundary()  # lazy backends (XLA) cut their graph here; a no-op elsewhere
         loss_sum += loss.item() * y.numel()
         seen += y.numel()
         if bar is not None:
