@@ -109,6 +109,7 @@ def bench_rank(rank: int, mode: str, args_dict: dict) -> dict:
     xs = [torch.randn(a.batch, 1, 28, 28, generator=gen).to(device) for _ in range(4)]
     ys = [torch.randint(0, 10, (a.batch,), generator=gen).to(device) for _ in range(4)]
     sync = ctx.backend.synchronize if ctx is not None else (lambda device=None: None)
+    step_boundary = ctx.backend.step_boundary if ctx is not None else (lambda: None)
     times, comm = [], None
     for i in range(a.warmup + a.steps):
         if i == a.warmup and mode in SHARDKIT_MODES:
@@ -118,6 +119,7 @@ def bench_rank(rank: int, mode: str, args_dict: dict) -> dict:
         loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
         loss.backward()
         opt.step()
+        step_boundary()
         loss.item()
         sync(device)
         if i >= a.warmup:
@@ -239,7 +241,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     p.add_argument("--nproc", type=int, default=2, help="ranks (world size)")
     p.add_argument("--modes", default="shardkit-full,shardkit-full-noprefetch,shardkit-grad-op,"
-                   "shardkit-grad-op-noprefetch,shardkit-no-shard,shardkit-hybrid,fsdp2,fsdp1,ddp,single",
+                   "shardkit-grad-op-noprefetch,shardkit-no-shard,fsdp2,fsdp1,ddp,single",
                    help=f"comma-separated subset of: {', '.join(ALL_MODES)}, or 'all'")
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
     p.add_argument("--backend", default=None, help="shardkit backend (default: best available)")
