@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import shardkit
+from shardkit import Capabilities
 from shardkit.sharding import iter_unit_full_params
+from shardkit_backends.cpu import CPUBackend
 
 from _models import Block, TinyNet, batch, global_batch
 
@@ -34,8 +36,10 @@ def max_diff(full: dict[str, torch.Tensor], ref: torch.nn.Module) -> float:
 def _build(seed: int, meta: bool, freeze: tuple[str, ...], tie: bool,
            model_cls: type) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(reference model, model to shard): equal values, same frozen/tied structure."""
-    torch.manual_seed(seed)
-    ref = model_cls()
+    dev = shardkit.current_context().device
+    with torch.device(dev):  # eager init on the device the meta model is materialised on (its RNG)
+        torch.manual_seed(seed)
+        ref = model_cls()
     if meta:
         with torch.device("meta"):
             torch.manual_seed(seed)
@@ -65,6 +69,8 @@ def parity_run(rank: int, strategy: str, world: int, shard_kwargs: dict | None =
     same micro-batches. two_forwards: two forward passes, one backward of the summed loss.
     """
     ref, model = _build(seed, meta, freeze, tie, model_cls)
+    dev = shardkit.current_context().device
+    ref.to(dev)
     model = shardkit.shard(model, strategy=strategy,
                            auto_wrap_policy=shardkit.wrap.transformer_layers({Block}),
                            **(shard_kwargs or {}))
@@ -77,15 +83,16 @@ def parity_run(rank: int, strategy: str, world: int, shard_kwargs: dict | None =
             sync = j == micro - 1
             idx = step * micro + j
             with (model.no_sync() if not sync else contextlib.nullcontext()):
-                loss = F.cross_entropy(model(batch(idx, rank)[0]), batch(idx, rank)[1])
+                x, y = (t.to(dev) for t in batch(idx, rank))
+                loss = F.cross_entropy(model(x), y)
                 if two_forwards:
-                    loss = loss + F.cross_entropy(model(batch(idx + 500, rank)[0]),
-                                                  batch(idx + 500, rank)[1])
+                    x2, y2 = (t.to(dev) for t in batch(idx + 500, rank))
+                    loss = loss + F.cross_entropy(model(x2), y2)
                 loss.backward()
-            gx, gy = global_batch(idx, world)
+            gx, gy = (t.to(dev) for t in global_batch(idx, world))
             ref_loss = F.cross_entropy(ref(gx), gy)
             if two_forwards:
-                gx2, gy2 = global_batch(idx + 500, world)
+                gx2, gy2 = (t.to(dev) for t in global_batch(idx + 500, world))
                 ref_loss = ref_loss + F.cross_entropy(ref(gx2), gy2)
             ref_loss.backward()
         if clip is not None:
@@ -143,7 +150,8 @@ def mp_parity_run(rank: int, world: int, strategy: str = "FULL_SHARD") -> list[f
     """bf16 compute + fp32 reduce vs a reference doing the same casts: per-rank bf16 replicas
     of the fp32 master, bf16 grads cast to fp32, summed in rank order and divided by world."""
     torch.manual_seed(0)
-    ref = TinyNet()
+    dev = shardkit.current_context().device
+    ref = TinyNet().to(dev)
     mp = shardkit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = shardkit.shard(copy.deepcopy(ref), strategy=strategy, mixed_precision=mp,
                            auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
@@ -151,7 +159,7 @@ def mp_parity_run(rank: int, world: int, strategy: str = "FULL_SHARD") -> list[f
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     diffs = []
     for step in range(STEPS):
-        x, y = batch(step, rank)
+        x, y = (t.to(dev) for t in batch(step, rank))
         logits = model(x)
         assert logits.dtype == torch.bfloat16
         F.cross_entropy(logits, y).backward()
@@ -160,7 +168,7 @@ def mp_parity_run(rank: int, world: int, strategy: str = "FULL_SHARD") -> list[f
         grads = None
         for r in range(world):
             replica = copy.deepcopy(ref).to(torch.bfloat16)
-            xr, yr = batch(step, r)
+            xr, yr = (t.to(dev) for t in batch(step, r))
             F.cross_entropy(replica(xr.to(torch.bfloat16)), yr).backward()
             g = [p.grad.float() for p in replica.parameters()]
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
@@ -312,3 +320,48 @@ def suite(rank: int, world: int) -> dict:
 def spawn_suite(world: int) -> list[dict]:
     """Run `suite` on `world` ranks once per test session; test files share the result."""
     return shardkit.spawn(suite, world, world, threads_per_rank=1)
+
+
+def gpu_suite(rank: int, world: int) -> dict:
+    """One rank on an accelerator backend: streams, events and storage freeing on a real device."""
+    out = {"device": str(shardkit.current_context().device),
+           "parity": {s: parity_run(rank, s, world) for s in STRATEGIES}}
+    for name, kwargs in [("no_sync", {"micro": 2}), ("meta", {"meta": True}),
+                         ("tied", {"tie": True}), ("called_twice", {"model_cls": __import__(
+                             "_models").TwiceNet})]:
+        out[name] = parity_run(rank, "FULL_SHARD", world, **kwargs)
+    out["prefetch2"] = parity_run(rank, "FULL_SHARD", world, {"prefetch": 2})
+    out["cpu_offload"] = parity_run(rank, "FULL_SHARD", world, {"cpu_offload": True})
+    out["mixed_precision"] = mp_parity_run(rank, world)
+    return out
+
+
+class LazyLikeCPU(CPUBackend):
+    """gloo, declaring what a lazy-tensor device declares: no storage resize, no async
+    collectives, compiler barriers, and a shard alignment of 4 elements."""
+
+    name = "cpu-lazy-like"
+    capabilities = Capabilities(has_streams=False, async_collectives=False,
+                                supports_storage_resize=False, shard_alignment=4,
+                                needs_compiler_barrier=True)
+    barriers = 0
+
+    def compiler_barrier(self, tensors):
+        """Count calls; gloo itself needs none."""
+        type(self).barriers += 1
+
+
+def lazy_like_suite(rank: int, world: int) -> dict:
+    """The no-storage-resize / barrier / alignment code paths, checked against the reference."""
+    from shardkit.sharding import shard_views
+
+    be = shardkit.current_context().backend
+    out = {"backend": be.name,
+           "parity": {s: parity_run(rank, s, world) for s in STRATEGIES},
+           "no_sync": parity_run(rank, "FULL_SHARD", world, micro=2),
+           "meta": parity_run(rank, "FULL_SHARD", world, meta=True),
+           "unshard": unshard_checks(rank, world)}
+    model = shardkit.shard(TinyNet())
+    out["aligned"] = all(v.shard_numel % 4 == 0 for v in shard_views(model))
+    out["barriers"] = type(be).barriers
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -30,26 +30,46 @@ def column_offsets(params: Sequence[ShardedParam]) -> list[int]:
 
 @dataclass
 class PendingGather:
-    """An all-gather in flight: wait on `work`, then copy `output` out."""
+    """An all-gather in flight: wait on `work` (and `event`), then copy `output` out."""
 
     work: Work
     output: torch.Tensor
     input: torch.Tensor  # kept alive until the collective finished reading it
+    event: Any = None  # recorded on the gather stream after the collective was queued
+
+    def wait(self, backend: Backend, device: torch.device) -> None:
+        """Make the compute stream see the gathered data (blocks the host where there are no streams)."""
+        self.work.wait()
+        current = backend.current_stream(device)
+        if self.event is not None:
+            current.wait_event(self.event)
+        # The output was allocated on the gather stream; copy-out reads it on the compute stream.
+        backend.record_stream(self.output, current)
 
 
 def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device: torch.device,
                      group: Group, backend: Backend, stats: CommStats | None,
-                     async_op: bool) -> PendingGather:
-    """Copy this rank's shards (cast to `dtype`) into one flat input and start the all-gather."""
-    row = sum(p.shard_numel for p in params)
-    inp = torch.empty(row, dtype=dtype, device=device)
-    for p, at in zip(params, column_offsets(params)):
-        inp[at:at + p.shard_numel].copy_(p.sharded.detach())
-    out = torch.empty(group.size * row, dtype=dtype, device=device)
-    if stats is not None:
-        stats.all_gather(inp.numel() * inp.element_size(), group.size)
-    work = backend.all_gather_into_tensor(out, inp, group, async_op=async_op)
-    return PendingGather(work, out, inp)
+                     async_op: bool, stream: Any = None) -> PendingGather:
+    """Copy this rank's shards (cast to `dtype`) into one flat input and start the all-gather.
+
+    With a separate gather `stream`, copy-in and the collective run there so they overlap with
+    compute; the stream first waits for the compute stream (the optimizer may just have written
+    the shards).
+    """
+    stream = stream if stream is not None else backend.current_stream(device)
+    stream.wait_stream(backend.current_stream(device))
+    with backend.use_stream(stream):
+        row = sum(p.shard_numel for p in params)
+        inp = torch.empty(row, dtype=dtype, device=device)
+        for p, at in zip(params, column_offsets(params)):
+            inp[at:at + p.shard_numel].copy_(p.sharded.detach(), non_blocking=True)
+        out = torch.empty(group.size * row, dtype=dtype, device=device)
+        if stats is not None:
+            stats.all_gather(inp.numel() * inp.element_size(), group.size)
+        work = backend.all_gather_into_tensor(out, inp, group, async_op=async_op)
+        event = backend.new_event()
+        event.record(stream)
+    return PendingGather(work, out, inp, event)
 
 
 def copy_out(params: Sequence[ShardedParam], output: torch.Tensor, targets: Sequence[torch.Tensor],
@@ -68,7 +88,7 @@ def gather_full(params: Sequence[ShardedParam], dtype: torch.dtype, device: torc
                 group: Group, backend: Backend, stats: CommStats | None) -> list[torch.Tensor]:
     """Return fresh full tensors (original shapes, `dtype`) of `params`; synchronous."""
     pending = start_all_gather(params, dtype, device, group, backend, stats, async_op=False)
-    pending.work.wait()
+    pending.wait(backend, device)
     fulls = [torch.empty(p.full_shape, dtype=dtype, device=device) for p in params]
     copy_out(params, pending.output, fulls, group.size)
     return fulls
@@ -95,12 +115,13 @@ class PendingReduce:
     output: torch.Tensor
     input: torch.Tensor  # kept alive until the collective finished reading it
     post_divide: float
+    event: Any = None  # recorded on the reduce stream after the collective was queued
 
 
 def start_reduce_scatter(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | None],
                          dtype: torch.dtype, device: torch.device, group: Group,
                          backend: Backend, stats: CommStats | None, pre_divide: float,
-                         post_divide: float) -> PendingReduce:
+                         post_divide: float, stream: Any = None) -> PendingReduce:
     """Pack full gradients (zeros where None) into the flat rows and start the sum reduce-scatter."""
     row = sum(p.shard_numel for p in params)
     inp = torch.zeros(group.size, row, dtype=dtype, device=device)
@@ -114,18 +135,31 @@ def start_reduce_scatter(params: Sequence[ShardedParam], grads: Sequence[torch.T
                 inp[r, at:at + n].copy_(flat[r * p.shard_numel:r * p.shard_numel + n])
     if pre_divide != 1.0:
         inp.div_(pre_divide)
-    out = torch.empty(row, dtype=dtype, device=device)
-    if stats is not None:
-        stats.reduce_scatter(out.numel() * out.element_size(), group.size)
-    work = backend.reduce_scatter_tensor(out, inp.view(-1), group, op="sum", async_op=True)
-    return PendingReduce(list(params), work, out, inp, post_divide)
+    # Copy-in ran on the compute stream (where the grads were made); the collective runs on the
+    # reduce stream so the next unit's backward can proceed.
+    stream = stream if stream is not None else backend.current_stream(device)
+    stream.wait_stream(backend.current_stream(device))
+    backend.record_stream(inp, stream)
+    with backend.use_stream(stream):
+        out = torch.empty(row, dtype=dtype, device=device)
+        if stats is not None:
+            stats.reduce_scatter(out.numel() * out.element_size(), group.size)
+        work = backend.reduce_scatter_tensor(out, inp.view(-1), group, op="sum", async_op=True)
+        event = backend.new_event()
+        event.record(stream)
+    return PendingReduce(list(params), work, out, inp, post_divide, event)
 
 
 def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backend,
                   stats: CommStats | None) -> None:
     """Wait for the reduce-scatter, sum across replicas, divide, and add into the sharded grads."""
     pending.work.wait()
+    device = pending.output.device
+    current = backend.current_stream(device)
+    if pending.event is not None:
+        current.wait_event(pending.event)
     out = pending.output
+    backend.record_stream(out, current)
     if replica is not None and replica.size > 1:
         if stats is not None:
             stats.all_reduce(out.numel() * out.element_size(), replica.size)

@@ -29,6 +29,9 @@ class ShardState:
         self.async_collectives = caps.async_collectives
         self.needs_compiler_barrier = caps.needs_compiler_barrier
         self.stats = CommStats()
+        # Separate streams let gathers and reductions overlap compute (null objects without streams).
+        self.gather_stream = backend.new_stream(device)
+        self.reduce_stream = backend.new_stream(device)
         self.units: list[ShardUnit] = []  # root unit last
         self.root_unit: ShardUnit | None = None
         self.forward_order: list[ShardUnit] = []  # pre-forward order seen in the first iteration

@@ -61,7 +61,8 @@ class ShardUnit:
         st = self.state
         for dtype, params in self.gather_buckets.items():
             pending = start_all_gather(params, dtype, st.device, st.shard_group, st.backend,
-                                       st.stats, async_op=async_op and st.async_collectives)
+                                       st.stats, async_op=async_op and st.async_collectives,
+                                       stream=st.gather_stream)
             self.pending.append((params, pending))
 
     def wait_for_unshard(self) -> None:
@@ -72,7 +73,7 @@ class ShardUnit:
             self.unshard(async_op=False)
         st = self.state
         for params, pending in self.pending:
-            pending.work.wait()
+            pending.wait(st.backend, st.device)
             for p in params:
                 p.alloc_unsharded()
             copy_out(params, pending.output, [p.unsharded.data for p in params],
@@ -85,7 +86,7 @@ class ShardUnit:
     def reshard(self) -> None:
         """Free the gathered params (and drop a prefetched gather nobody used)."""
         for _, pending in self.pending:
-            pending.work.wait()  # its buffers must outlive the collective
+            pending.wait(self.state.backend, self.state.device)  # buffers must outlive it
         self.pending = []
         if self.is_unsharded:
             if self.state.needs_compiler_barrier:
@@ -110,7 +111,8 @@ class ShardUnit:
             grads = [p.take_unsharded_grad() for p in params]
             pre, post = divide_factors(st.dp_size, dtype)
             started.append(start_reduce_scatter(params, grads, dtype, st.device, st.shard_group,
-                                                 st.backend, st.stats, pre, post))
+                                                 st.backend, st.stats, pre, post,
+                                                 stream=st.reduce_stream))
         return started
 
     def finish(self, pending: PendingReduce) -> None:

@@ -1,0 +1,20 @@
+"""Backend-dependent code paths, driven by capabilities (not names): a gloo backend declaring no
+storage resize, synchronous collectives, compiler barriers and 4-element alignment (what a
+lazy-tensor device such as XLA declares) must train exactly like the unsharded reference."""
+
+from __future__ import annotations
+
+import shardkit
+
+from _sharding_workers import LazyLikeCPU, lazy_like_suite
+
+
+def test_no_storage_resize_sync_collectives_barriers_and_alignment():
+    results = shardkit.spawn(lazy_like_suite, 2, 2, backend=LazyLikeCPU(), threads_per_rank=1)
+    for r in results:
+        assert r["backend"] == "cpu-lazy-like"
+        for run in [*r["parity"].values(), r["no_sync"], r["meta"]]:
+            assert run["init_diff"] == 0.0 and max(run["diffs"]) <= 1e-5
+        assert r["unshard"]["out_diff"] == 0.0 and r["unshard"]["sharded_after"]
+        assert r["aligned"]
+        assert r["barriers"] > 0
