@@ -70,6 +70,7 @@ def train(model, opt, rank, ws, first_step, steps):
     for step in range(first_step, first_step + steps):
         g = torch.Generator().manual_seed(1000 + step)
         x, y = torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+        x, y = x.to(ctx.device), y.to(ctx.device)
         n = GLOBAL_BATCH // ws
         loss = F.mse_loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
         loss.backward()
@@ -228,7 +229,7 @@ def _drop_manifest(d):
 def saved(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
     with pytest.raises(Exception, match="signal SIGKILL"):
-        shardkit.spawn(run_save, 2, root, threads_per_rank=1)
+        shardkit.spawn(run_save, 2, root, threads_per_rank=1, backend="cpu")
     results = [torch.load(os.path.join(root, f"save_rank{r}.pt"), weights_only=True) for r in (0, 1)]
     torch.save(results[0]["sd3"], os.path.join(root, "sd3.pt"))
     return root, results
@@ -319,19 +320,19 @@ def _check_resumed(saved_results, loaded, exact_training):
 
 def test_resume_same_world_size_is_identical(saved):
     root, results = saved
-    loaded = shardkit.spawn(run_load, 2, root, "full_shard", None, None, threads_per_rank=1)
+    loaded = shardkit.spawn(run_load, 2, root, "full_shard", None, None, threads_per_rank=1, backend="cpu")
     _check_resumed(results, loaded, exact_training=True)
 
 
 def test_resume_at_three_ranks(saved):
     root, results = saved
-    loaded = shardkit.spawn(run_load, 3, root, "shard_grad_op", None, None, threads_per_rank=1)
+    loaded = shardkit.spawn(run_load, 3, root, "shard_grad_op", None, None, threads_per_rank=1, backend="cpu")
     _check_resumed(results, loaded, exact_training=False)
 
 
 def test_resume_at_four_ranks_hybrid_and_save_replicated(saved, tmp_path):
     root, results = saved
-    loaded = shardkit.spawn(run_load, 4, root, "hybrid_shard", 2, "ckpt_hybrid", threads_per_rank=1)
+    loaded = shardkit.spawn(run_load, 4, root, "hybrid_shard", 2, "ckpt_hybrid", threads_per_rank=1, backend="cpu")
     _check_resumed(results, loaded, exact_training=False)
     info = ck.inspect_checkpoint(os.path.join(root, "ckpt_hybrid"))
     assert (info["world_size"], info["strategy"], info["step"]) == (4, "HYBRID_SHARD", 6)
@@ -343,7 +344,7 @@ def test_resume_at_four_ranks_hybrid_and_save_replicated(saved, tmp_path):
 
 def test_one_rank_no_shard_errors_and_full_state_dict_loading(saved):
     root, results = saved
-    loaded = shardkit.spawn(run_load, 1, root, "no_shard", None, None, True, threads_per_rank=1)
+    loaded = shardkit.spawn(run_load, 1, root, "no_shard", None, None, True, threads_per_rank=1, backend="cpu")
     _check_resumed(results, loaded, exact_training=False)
     errors, full = loaded[0]["errors"], loaded[0]["full"]
     for name in ("flip", "truncate"):
