@@ -15,11 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-def load_example(name: str):
+def load_example(name: str, module_name: str | None = None):
     """Import examples/<name>.py as a module (for its model classes and helpers)."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))  # as when the example runs as a script
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    if module_name is None and "launching" not in sys.modules:
+        load_example("launching", "launching")  # what `import launching` finds beside a script
+    spec = importlib.util.spec_from_file_location(module_name or f"example_{name}",
+                                                  EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
