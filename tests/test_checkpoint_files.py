@@ -139,3 +139,20 @@ def test_dcp_metadata_is_never_unpickled_as_code(tmp_path, monkeypatch):
     with pytest.raises(CorruptCheckpointError, match="refusing to load posix.system"):
         SafeFileSystemReader(str(tmp_path)).read_metadata()
     assert not (tmp_path / "exploited").exists()
+
+
+def test_never_replaces_a_directory_it_did_not_write(tmp_path):
+    from shardkit.checkpoint.errors import CheckpointError
+    from shardkit.checkpoint.safetensors_io import is_weights_dir
+
+    precious = tmp_path / "project"
+    os.makedirs(precious)
+    (precious / "notes.txt").write_text("keep me")
+    for looks_like, what in ((mf.is_checkpoint_dir, "shardkit checkpoint"),
+                             (is_weights_dir, "safetensors weights directory")):
+        with pytest.raises(CheckpointError, match=f"is not a {what}; refusing to replace it"):
+            mf.check_replaceable(str(precious), looks_like, what)
+    assert (precious / "notes.txt").read_text() == "keep me"
+    _complete_checkpoint(tmp_path / "ckpt")
+    mf.check_replaceable(str(tmp_path / "ckpt"), mf.is_checkpoint_dir, "shardkit checkpoint")
+    mf.check_replaceable(str(tmp_path / "absent"), is_weights_dir, "safetensors weights directory")

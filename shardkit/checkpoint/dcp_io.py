@@ -122,6 +122,7 @@ _METADATA_GLOBALS = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        """Resolve only allow-listed DCP types and torch dtypes/layouts; refuse everything else."""
         if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None),

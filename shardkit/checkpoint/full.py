@@ -10,7 +10,8 @@ import torch
 from . import collective, manifest as mf
 from .entries import engine, model_entries
 from .errors import CheckpointError
-from .safetensors_io import DEFAULT_MAX_SHARD_SIZE, SafetensorsLayout, read_full_source
+from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, SafetensorsLayout, is_weights_dir,
+                             read_full_source)
 
 
 def visit_full_tensors(model: torch.nn.Module, visit: Callable[[str, torch.Tensor], None]) -> None:
@@ -71,7 +72,9 @@ def export(path: str | os.PathLike, model: torch.nn.Module,
     layout = SafetensorsLayout([(e.name, e.shape, _cast_dtype(e.dtype, dtype)) for e in entries],
                                max_shard_size)
     tmp = f"{path}{mf.TMP_MARK}{collective.shared_token(ctx):012x}"
-    collective.on_rank0(ctx, f"creating {tmp}", lambda: layout.create(tmp))
+    collective.on_rank0(ctx, f"creating {tmp}", lambda: (
+        mf.check_replaceable(path, is_weights_dir, "safetensors weights directory"),
+        layout.create(tmp)))
     if ctx.rank == 0:
         visit_full_tensors(model, lambda name, tensor: layout.write(
             tmp, name, tensor.to(_cast_dtype(tensor.dtype, dtype))))

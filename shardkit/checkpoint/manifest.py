@@ -10,9 +10,9 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
-from .errors import (CheckpointNotFoundError, CorruptCheckpointError,
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError)
 
 MANIFEST_FILE = "shardkit_manifest.json"
@@ -147,6 +147,20 @@ def replace_dir(tmp: str, path: str) -> None:
     fsync_dir(os.path.dirname(path))
     if os.path.isdir(old):
         shutil.rmtree(old)
+
+
+def check_replaceable(path: str, looks_like: Callable[[str], bool], what: str) -> None:
+    """Refuse to overwrite an existing directory that is not what we would write there."""
+    if os.path.exists(path) and not (os.path.isdir(path) and looks_like(path)):
+        raise CheckpointError(
+            f"{path} exists and is not a {what}; refusing to replace it. HINT: choose another "
+            "path or remove it yourself.")
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """True for a shardkit checkpoint directory, complete or not (an interrupted save)."""
+    return os.path.exists(os.path.join(path, MANIFEST_FILE)) or os.path.exists(
+        os.path.join(path, ".metadata")) or not os.listdir(path)
 
 
 def remove_stale_tmp(path: str, keep: str) -> None:

@@ -9,7 +9,7 @@ from . import manifest as mf
 from .dcp_io import FlatTensorReader
 from .entries import MODEL_PREFIX, dtype_from_name
 from .errors import CorruptCheckpointError
-from .safetensors_io import DEFAULT_MAX_SHARD_SIZE, SafetensorsLayout
+from .safetensors_io import DEFAULT_MAX_SHARD_SIZE, SafetensorsLayout, is_weights_dir
 
 
 def verify_offline(directory: str, manifest: dict) -> None:
@@ -32,6 +32,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike,
     layout = SafetensorsLayout([(name, tuple(md["shape"]), dtype_from_name(md["dtype"]))
                                 for name, md in model.items()], max_shard_size)
     out = os.path.abspath(os.fspath(out))
+    mf.check_replaceable(out, is_weights_dir, "safetensors weights directory")
     tmp = f"{out}{mf.TMP_MARK}{os.getpid()}"
     layout.create(tmp)
     reader = FlatTensorReader(directory)

@@ -98,6 +98,7 @@ class SafetensorsLayout:
 
     def create(self, directory: str) -> None:
         """Write every file's header and size it; tensor bytes follow through `write`."""
+        os.makedirs(os.path.dirname(os.path.abspath(directory)), exist_ok=True)
         os.makedirs(directory, exist_ok=True)
         for f in self.files:
             with open(os.path.join(directory, f.name), "wb") as out:
@@ -127,6 +128,11 @@ class SafetensorsLayout:
             with open(os.path.join(directory, name), "rb+") as out:
                 os.fsync(out.fileno())
         mf.fsync_dir(directory)
+
+
+def is_weights_dir(path: str) -> bool:
+    """True for a directory holding only what `SafetensorsLayout.create` writes (or nothing)."""
+    return all(name.endswith(".safetensors") or name == INDEX_FILE for name in os.listdir(path))
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:

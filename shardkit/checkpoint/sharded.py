@@ -106,6 +106,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
 
 
 def _make_tmp(path: str, tmp: str) -> None:
+    mf.check_replaceable(path, mf.is_checkpoint_dir, "shardkit checkpoint")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     mf.remove_stale_tmp(path, keep=tmp)
     os.makedirs(tmp)
