@@ -156,7 +156,33 @@ def run_save(rank, root):
     ck.save(os.path.join(root, "ckpt"), model, opt, extra={"step": 99})
 
 
-def run_load(rank, root, strategy, hybrid, save_as, check_errors=False):
+def tied_frozen_net(seed, strategy):
+    """Net with blocks 0 and 1 sharing one weight and a frozen LayerNorm weight."""
+    ref = reference_net(seed)
+    ref.blocks[1].lin.weight = ref.blocks[0].lin.weight
+    ref.blocks[2].norm.weight.requires_grad_(False)
+    model = shard(ref, strategy=strategy, auto_wrap_policy=wrap.transformer_layers({Block}))
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def run_tied_frozen(rank, root, strategy):
+    """Save/load/export a model with tied and frozen parameters (same world size)."""
+    ws = shardkit.current_context().world_size
+    model, opt = tied_frozen_net(0, strategy)
+    train(model, opt, rank, ws, 0, 2)
+    ck.save(os.path.join(root, "ckpt_tied"), model, opt)
+    ck.export(os.path.join(root, "export_tied"), model)
+    saved, saved_optim = ck.full_state_dict(model), local_optim(model, opt)
+    model2, opt2 = tied_frozen_net(3, strategy)
+    ck.load(os.path.join(root, "ckpt_tied"), model2, opt2)
+    loaded, loaded_optim = ck.full_state_dict(model2), local_optim(model2, opt2)
+    same_optim = saved_optim[1] == loaded_optim[1] and saved_optim[0].keys() == loaded_optim[0].keys() \
+        and all(a[1].equal(b[1]) for a, b in zip(saved_optim[0].values(), loaded_optim[0].values()))
+    frozen = "blocks.2.norm.weight" not in {fqn for fqn, _ in saved_optim[0]}
+    return {"saved": saved, "loaded": loaded, "same_optim": same_optim, "frozen_has_no_state": frozen}
+
+
+def run_load(rank, root, strategy, hybrid, save_as, check_errors=False, check_tied=False):
     ws = shardkit.current_context().world_size
     model, opt = sharded_net(strategy, seed=7, hybrid=hybrid)  # different weights until loaded
     extra = ck.load(os.path.join(root, "ckpt"), model, opt)
@@ -170,6 +196,8 @@ def run_load(rank, root, strategy, hybrid, save_as, check_errors=False):
         ck.save(os.path.join(root, save_as), model, opt, extra={"step": 6})
     if check_errors:
         out["errors"], out["full"] = run_errors(rank, root)
+    if check_tied:
+        out["tied"] = run_tied_frozen(rank, root, strategy)
     return out
 
 
@@ -326,8 +354,18 @@ def test_resume_same_world_size_is_identical(saved):
 
 def test_resume_at_three_ranks(saved):
     root, results = saved
-    loaded = shardkit.spawn(run_load, 3, root, "shard_grad_op", None, None, threads_per_rank=1, backend="cpu")
+    loaded = shardkit.spawn(run_load, 3, root, "shard_grad_op", None, None, False, True,
+                            threads_per_rank=1, backend="cpu")
     _check_resumed(results, loaded, exact_training=False)
+    tied = loaded[0]["tied"]
+    reference = reference_net()
+    reference.blocks[1].lin.weight = reference.blocks[0].lin.weight
+    assert list(tied["saved"]) == list(reference.state_dict())  # both tied names, in order
+    assert tied["saved"]["blocks.0.lin.weight"].equal(tied["saved"]["blocks.1.lin.weight"])
+    exported = load_file(os.path.join(root, "export_tied", "model.safetensors"))
+    for name, t in tied["saved"].items():
+        assert tied["loaded"][name].equal(t) and exported[name].equal(t), name
+    assert all(r["tied"]["same_optim"] and r["tied"]["frozen_has_no_state"] for r in loaded)
 
 
 def test_resume_at_four_ranks_hybrid_and_save_replicated(saved, tmp_path):
