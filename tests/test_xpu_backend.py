@@ -19,6 +19,7 @@ import torch
 import shardkit
 from shardkit.errors import BackendUnavailableError, ShardkitError
 from shardkit.launch_env import detect_launch_env
+from shardkit.testing import CHECK_NAMES
 from shardkit_backends.xpu import XPUBackend
 from shardkit_backends.xpu.collectives import CHOICES, choose_process_group
 from shardkit_backends.xpu.runtime import INTEL_INDEX, TORCH_XPU_INDEX, XpuRuntime
@@ -336,23 +337,16 @@ def _xpu_present() -> bool:
     return module is not None and bool(module.is_available())
 
 
+@pytest.fixture(scope="module")
+def real_xpu_conformance():
+    """The conformance suite's result on a real XPU at world size 1 (computed once)."""
+    from shardkit.testing import run_world
+
+    return run_world("xpu", 1)
+
+
 @pytest.mark.hardware
 @pytest.mark.skipif(not _xpu_present(), reason="needs a real Intel XPU and torch's XPU build")
-def test_real_xpu_world_size_one_collectives_and_streams():
-    ctx = shardkit.init("xpu")
-    try:
-        be, dev = ctx.backend, ctx.device
-        assert dev.type == "xpu" and dev.index is not None
-        x = torch.arange(4.0, device=dev)
-        be.all_reduce(x, ctx.world).wait()
-        out = torch.empty(4, device=dev)
-        be.all_gather_into_tensor(out, x, ctx.world).wait()
-        side = be.new_stream(dev)
-        done = be.new_event()
-        with be.use_stream(side):
-            y = out * 2
-            done.record()
-        be.current_stream(dev).wait_event(done)
-        assert torch.equal(y.cpu(), torch.arange(4.0) * 2)
-    finally:
-        shardkit.shutdown()
+@pytest.mark.parametrize("check", CHECK_NAMES)
+def test_real_xpu_conformance_world_size_one(check, real_xpu_conformance):
+    assert real_xpu_conformance.failure(check) is None, real_xpu_conformance.failure(check)
