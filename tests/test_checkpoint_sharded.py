@@ -303,11 +303,12 @@ def test_full_state_dict_memory_stays_about_one_unit(saved):
     assert 2 * bound < model_bytes  # otherwise the bound would not show unit-by-unit gathering
     extra_sd = results[0]["peak_sd"] - model_bytes  # peak minus the returned dict itself
     extra_export = results[0]["peak_export"]  # export keeps nothing
-    print(f"\nlargest unit {largest_unit} B, model {model_bytes} B; rank-0 peak extra: "
-          f"full_state_dict {extra_sd} B ({extra_sd / largest_unit:.2f} units), "
-          f"export {extra_export} B ({extra_export / largest_unit:.2f} units)")
-    assert 0 < extra_sd <= bound
-    assert 0 < extra_export <= bound
+    figures = (f"largest unit {largest_unit} B, model {model_bytes} B; rank-0 peak extra: "
+               f"full_state_dict {extra_sd} B ({extra_sd / largest_unit:.2f} units), "
+               f"export {extra_export} B ({extra_export / largest_unit:.2f} units)")
+    print("\n" + figures)
+    assert 0 < extra_sd <= bound, figures
+    assert 0 < extra_export <= bound, figures
 
 
 def test_killed_save_leaves_previous_checkpoint(saved):

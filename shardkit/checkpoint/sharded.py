@@ -79,12 +79,11 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     chunks: dict[str, FlatChunk] = {}
     for e in entries:
         if e.view is not None:
-            if _writes(e.view):
+            # An empty parameter still needs one (empty) chunk for DCP to record it.
+            if _writes(e.view) or (e.numel == 0 and ctx.rank == 0):
                 chunks[MODEL_PREFIX + e.name] = _chunk(e.view.param, e.view)
         elif ctx.rank == 0:
             chunks[MODEL_PREFIX + e.name] = FlatChunk(e.buffer.detach().reshape(-1), 0, e.numel)
-        if e.numel == 0 and ctx.rank == 0 and e.view is not None:
-            chunks[MODEL_PREFIX + e.name] = FlatChunk(e.view.param.detach()[:0], 0, 0)
     for (fqn, key), (view, value) in shards.items():
         if _writes(view):
             chunks[optim_key(fqn, key)] = _chunk(value, view)
@@ -182,8 +181,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
         if e.view is not None:
             chunks[MODEL_PREFIX + e.name] = _chunk(e.view.param.data, e.view)
         else:
-            target = e.buffer.data.view(-1) if e.buffer.is_contiguous() else e.buffer.reshape(-1).clone()
-            if not e.buffer.is_contiguous():
+            if e.buffer.is_contiguous():
+                target = e.buffer.data.view(-1)
+            else:
+                target = e.buffer.reshape(-1).clone()
                 pending.append((e.buffer, target))
             chunks[MODEL_PREFIX + e.name] = FlatChunk(target, 0, e.numel)
     optim_sd = _prepare_optimizer(model, optimizer, manifest, state, chunks) if optimizer else None
@@ -204,7 +205,8 @@ def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: di
     groups = optimizer_views(model, optimizer)
     if len(groups) != len(saved_groups):
         raise CheckpointError(f"the optimizer has {len(groups)} param groups, the checkpoint "
-                              f"{len(saved_groups)}. HINT: build the optimizer the same way as at save time.")
+                              f"{len(saved_groups)}. HINT: build the optimizer the same way as "
+                              "at save time.")
     shard_keys: dict[str, list[tuple[str, dict]]] = {}
     for key, md in manifest["optimizer"].items():
         shard_keys.setdefault(md["param"], []).append((key, md))
@@ -212,8 +214,9 @@ def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: di
     for gi, (views, saved) in enumerate(zip(groups, saved_groups)):
         names = [v.fqn for v in views]
         if sorted(names) != sorted(saved["params"]):
-            raise StateDictMismatchError(f"checkpoint optimizer param group {gi}", set(saved["params"]) - set(names),
-                                         set(names) - set(saved["params"]))
+            raise StateDictMismatchError(f"checkpoint optimizer param group {gi}",
+                                         set(names) - set(saved["params"]),
+                                         set(saved["params"]) - set(names))
         out_groups.append({**{k: v for k, v in saved.items() if k != "params"},
                            "params": list(range(index, index + len(views)))})
         for view in views:
