@@ -13,7 +13,7 @@ from .runtime import DistContext, current_context, init, shutdown
 from .selection import backend_statuses, get_backend
 from .spawn import spawn
 from .replicate import replicate
-from . import wrap
+from . import checkpoint, wrap
 from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, comm_stats, shard)
 
 __all__ = [
@@ -24,4 +24,5 @@ __all__ = [
     "get_backend", "hookimpl", "hookspec", "init", "register_plugin", "reset_plugins",
     "shutdown", "spawn", "replicate",
     "MixedPrecision", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "shard", "wrap",
+    "checkpoint",
 ]
