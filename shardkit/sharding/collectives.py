@@ -15,8 +15,12 @@ import torch
 
 from ..backend import Backend
 from ..handles import Group, Work
+from .buffers import BufferPool
 from .comm_stats import CommStats
 from .param import ShardedParam
+
+
+_NO_POOL = BufferPool(enabled=False, max_buffers=0)
 
 
 def column_offsets(params: Sequence[ShardedParam]) -> list[int]:
@@ -34,7 +38,7 @@ class PendingGather:
 
     work: Work
     output: torch.Tensor
-    input: torch.Tensor  # kept alive until the collective finished reading it
+    input: torch.Tensor  # this rank's row of `output`
     event: Any = None  # recorded on the gather stream after the collective was queued
 
     def wait(self, backend: Backend, device: torch.device) -> None:
@@ -49,7 +53,8 @@ class PendingGather:
 
 def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device: torch.device,
                      group: Group, backend: Backend, stats: CommStats | None,
-                     async_op: bool, stream: Any = None) -> PendingGather:
+                     async_op: bool, stream: Any = None,
+                     pool: BufferPool | None = None) -> PendingGather:
     """Copy this rank's shards (cast to `dtype`) into one flat input and start the all-gather.
 
     With a separate gather `stream`, copy-in and the collective run there so they overlap with
@@ -59,11 +64,14 @@ def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device:
     stream = stream if stream is not None else backend.current_stream(device)
     stream.wait_stream(backend.current_stream(device))
     with backend.use_stream(stream):
+        pool = pool or _NO_POOL
         row = sum(p.shard_numel for p in params)
-        inp = torch.empty(row, dtype=dtype, device=device)
+        out = pool.take(group.size * row, dtype, device)
+        # Copy-in straight into this rank's row of the output (an in-place all-gather): no
+        # separate input buffer, one copy fewer.
+        inp = out[group.rank * row:(group.rank + 1) * row]
         for p, at in zip(params, column_offsets(params)):
             inp[at:at + p.shard_numel].copy_(p.sharded.detach(), non_blocking=True)
-        out = torch.empty(group.size * row, dtype=dtype, device=device)
         if stats is not None:
             stats.all_gather(inp.numel() * inp.element_size(), group.size)
         work = backend.all_gather_into_tensor(out, inp, group, async_op=async_op)
@@ -88,7 +96,7 @@ def gather_full(params: Sequence[ShardedParam], dtype: torch.dtype, device: torc
                 group: Group, backend: Backend, stats: CommStats | None) -> list[torch.Tensor]:
     """Return fresh full tensors (original shapes, `dtype`) of `params`; synchronous."""
     pending = start_all_gather(params, dtype, device, group, backend, stats, async_op=False)
-    pending.wait(backend, device)
+    pending.wait(backend, device)  # fresh buffers (no pool): the caller may keep views
     fulls = [torch.empty(p.full_shape, dtype=dtype, device=device) for p in params]
     copy_out(params, pending.output, fulls, group.size)
     return fulls
@@ -121,18 +129,20 @@ class PendingReduce:
 def start_reduce_scatter(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | None],
                          dtype: torch.dtype, device: torch.device, group: Group,
                          backend: Backend, stats: CommStats | None, pre_divide: float,
-                         post_divide: float, stream: Any = None) -> PendingReduce:
+                         post_divide: float, stream: Any = None,
+                         pool: BufferPool | None = None) -> PendingReduce:
     """Pack full gradients (zeros where None) into the flat rows and start the sum reduce-scatter."""
+    pool = pool or _NO_POOL
     row = sum(p.shard_numel for p in params)
-    inp = torch.zeros(group.size, row, dtype=dtype, device=device)
+    inp = pool.take(group.size * row, dtype, device).view(group.size, row)
     for p, at, grad in zip(params, column_offsets(params), grads):
-        if grad is None:
-            continue
-        flat = grad.reshape(-1)
+        flat = grad.reshape(-1) if grad is not None else None
         for r in range(group.size):
-            n = p.rank_valid(r)
+            n = p.rank_valid(r) if flat is not None else 0
             if n:
                 inp[r, at:at + n].copy_(flat[r * p.shard_numel:r * p.shard_numel + n])
+            if n < p.shard_numel:  # padding (or a missing grad) must reduce as zeros
+                inp[r, at + n:at + p.shard_numel].zero_()
     if pre_divide != 1.0:
         inp.div_(pre_divide)
     # Copy-in ran on the compute stream (where the grads were made); the collective runs on the
@@ -151,7 +161,7 @@ def start_reduce_scatter(params: Sequence[ShardedParam], grads: Sequence[torch.T
 
 
 def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backend,
-                  stats: CommStats | None) -> None:
+                  stats: CommStats | None, pool: BufferPool | None = None) -> None:
     """Wait for the reduce-scatter, sum across replicas, divide, and add into the sharded grads."""
     pending.work.wait()
     device = pending.output.device
@@ -166,5 +176,7 @@ def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backen
         backend.all_reduce(out, replica, op="sum").wait()
     if pending.post_divide != 1.0:
         out.div_(pending.post_divide)
+    if pool is not None:
+        pool.give(pending.input)
     for p, at in zip(pending.params, column_offsets(pending.params)):
         p.accumulate_grad(out[at:at + p.shard_numel])

@@ -78,8 +78,8 @@ class ShardedParam:
     def accumulate_grad(self, grad: torch.Tensor) -> None:
         """Add a reduced gradient shard to the sharded parameter's .grad (creating it if absent)."""
         if self.sharded.grad is None:
-            self.sharded.grad = grad.to(device=self.sharded.device, dtype=self.sharded.dtype,
-                                        copy=True)
+            # A view of the reduce output is fine: that buffer is exactly the shards, per step.
+            self.sharded.grad = grad.to(device=self.sharded.device, dtype=self.sharded.dtype)
         else:
             self.sharded.grad.add_(grad)
 

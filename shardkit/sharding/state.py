@@ -8,6 +8,7 @@ import torch
 
 from ..backend import Backend
 from ..handles import Group
+from .buffers import BufferPool
 from .collectives import PendingReduce
 from .comm_stats import CommStats
 from .policies import ShardConfig
@@ -32,6 +33,8 @@ class ShardState:
         # Separate streams let gathers and reductions overlap compute (null objects without streams).
         self.gather_stream = backend.new_stream(device)
         self.reduce_stream = backend.new_stream(device)
+        # Enough for the gathers in flight (prefetch + the one in use) and one reduction input.
+        self.pool = BufferPool(enabled=not caps.has_streams, max_buffers=config.prefetch + 2)
         self.units: list[ShardUnit] = []  # root unit last
         self.root_unit: ShardUnit | None = None
         self.forward_order: list[ShardUnit] = []  # pre-forward order seen in the first iteration
@@ -107,15 +110,17 @@ class ShardState:
     def post_backward(self, unit: ShardUnit) -> None:
         """Reduce one unit's grads (unless in no_sync) and reshard it."""
         unit.needs_post_backward = False
-        if not self.no_sync:
-            started = unit.reduce_grads()
-            # Keep one unit's reductions in flight: older ones finish now so their full-size
-            # inputs are freed (peak memory ~ one unit of gradients).
-            self.wait_reductions()
-            self.reductions.extend((unit, r) for r in started)
+        # Free the gathered params first: the reduce-scatter input then takes their place in
+        # memory instead of adding to it (the grads are separate tensors).
         if not self.keep_unsharded:
             unit.reshard()
             unit.register(unsharded=False)
+        if not self.no_sync:
+            # Finish the previous unit's reductions before packing this one, so at most one
+            # full-size reduce input exists at a time and the pool can hand its buffer on.
+            self.wait_reductions()
+            started = unit.reduce_grads()
+            self.reductions.extend((unit, r) for r in started)
 
     def wait_reductions(self) -> None:
         """Finish every reduction in flight into the sharded grads."""

@@ -62,7 +62,7 @@ class ShardUnit:
         for dtype, params in self.gather_buckets.items():
             pending = start_all_gather(params, dtype, st.device, st.shard_group, st.backend,
                                        st.stats, async_op=async_op and st.async_collectives,
-                                       stream=st.gather_stream)
+                                       stream=st.gather_stream, pool=st.pool)
             self.pending.append((params, pending))
 
     def wait_for_unshard(self) -> None:
@@ -78,6 +78,7 @@ class ShardUnit:
                 p.alloc_unsharded()
             copy_out(params, pending.output, [p.unsharded.data for p in params],
                      st.shard_group.size)
+            st.pool.give(pending.output)
         self.pending = []
         if st.needs_compiler_barrier:
             st.backend.compiler_barrier([p.unsharded for p in self.params])
@@ -87,6 +88,7 @@ class ShardUnit:
         """Free the gathered params (and drop a prefetched gather nobody used)."""
         for _, pending in self.pending:
             pending.wait(self.state.backend, self.state.device)  # buffers must outlive it
+            self.state.pool.give(pending.output)
         self.pending = []
         if self.is_unsharded:
             if self.state.needs_compiler_barrier:
@@ -112,12 +114,13 @@ class ShardUnit:
             pre, post = divide_factors(st.dp_size, dtype)
             started.append(start_reduce_scatter(params, grads, dtype, st.device, st.shard_group,
                                                  st.backend, st.stats, pre, post,
-                                                 stream=st.reduce_stream))
+                                                 stream=st.reduce_stream, pool=st.pool))
         return started
 
     def finish(self, pending: PendingReduce) -> None:
         """Complete one of this unit's reductions into the sharded grads."""
-        finish_reduce(pending, self.state.replica_group, self.state.backend, self.state.stats)
+        finish_reduce(pending, self.state.replica_group, self.state.backend, self.state.stats,
+                      self.state.pool)
 
     # ---- buffers under MixedPrecision.buffer_dtype --------------------------------------------
     def cast_buffers(self, dtype: torch.dtype) -> None:
