@@ -126,18 +126,16 @@ class PendingReduce:
     event: Any = None  # recorded on the reduce stream after the collective was queued
 
 
-def start_reduce_scatter(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | None],
-                         dtype: torch.dtype, device: torch.device, group: Group,
-                         backend: Backend, stats: CommStats | None, pre_divide: float,
-                         post_divide: float, stream: Any = None,
-                         pool: BufferPool | None = None) -> PendingReduce:
-    """Pack full gradients (zeros where None) into the flat rows and start the sum reduce-scatter."""
+def pack_grads(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | None],
+               dtype: torch.dtype, device: torch.device, group_size: int, pre_divide: float,
+               pool: BufferPool | None = None) -> torch.Tensor:
+    """Copy full gradients (zeros where None) into the (group_size, row) reduce-scatter input."""
     pool = pool or _NO_POOL
     row = sum(p.shard_numel for p in params)
-    inp = pool.take(group.size * row, dtype, device).view(group.size, row)
+    inp = pool.take(group_size * row, dtype, device).view(group_size, row)
     for p, at, grad in zip(params, column_offsets(params), grads):
         flat = grad.reshape(-1) if grad is not None else None
-        for r in range(group.size):
+        for r in range(group_size):
             n = p.rank_valid(r) if flat is not None else 0
             if n:
                 inp[r, at:at + n].copy_(flat[r * p.shard_numel:r * p.shard_numel + n])
@@ -145,13 +143,20 @@ def start_reduce_scatter(params: Sequence[ShardedParam], grads: Sequence[torch.T
                 inp[r, at + n:at + p.shard_numel].zero_()
     if pre_divide != 1.0:
         inp.div_(pre_divide)
-    # Copy-in ran on the compute stream (where the grads were made); the collective runs on the
+    return inp
+
+
+def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, device: torch.device,
+                         group: Group, backend: Backend, stats: CommStats | None,
+                         post_divide: float, stream: Any = None) -> PendingReduce:
+    """Start the sum reduce-scatter of a packed input; this rank's row lands in the output."""
+    # Packing ran on the compute stream (where the grads were made); the collective runs on the
     # reduce stream so the next unit's backward can proceed.
     stream = stream if stream is not None else backend.current_stream(device)
     stream.wait_stream(backend.current_stream(device))
     backend.record_stream(inp, stream)
     with backend.use_stream(stream):
-        out = torch.empty(row, dtype=dtype, device=device)
+        out = torch.empty(inp.shape[1], dtype=inp.dtype, device=device)
         if stats is not None:
             stats.reduce_scatter(out.numel() * out.element_size(), group.size)
         work = backend.reduce_scatter_tensor(out, inp.view(-1), group, op="sum", async_op=True)

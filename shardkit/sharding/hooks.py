@@ -96,6 +96,9 @@ def _pre_backward(unit: ShardUnit) -> None:
         unit.backward_started = True
         unit.wait_for_unshard()
         st.prefetch_after(unit, st.backward_order(), skip_done=True)
+        # Backward holds the gathered params and their full grads at once; idle kept buffers on
+        # top of that would raise the peak, so backward allocates afresh (forward still reuses).
+        st.pool.clear()
 
 
 def install(unit: ShardUnit) -> list:

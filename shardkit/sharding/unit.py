@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .collectives import (PendingGather, PendingReduce, copy_out, divide_factors, finish_reduce,
-                          start_all_gather, start_reduce_scatter)
+                          pack_grads, start_all_gather, start_reduce_scatter)
 from .param import ShardedParam
 
 if TYPE_CHECKING:
@@ -110,11 +110,15 @@ class ShardUnit:
         st = self.state
         started = []
         for dtype, params in self.reduce_buckets.items():
-            grads = [p.take_unsharded_grad() for p in params]
             pre, post = divide_factors(st.dp_size, dtype)
-            started.append(start_reduce_scatter(params, grads, dtype, st.device, st.shard_group,
-                                                 st.backend, st.stats, pre, post,
-                                                 stream=st.reduce_stream, pool=st.pool))
+            grads = [p.take_unsharded_grad() for p in params]
+            inp = pack_grads(params, grads, dtype, st.device, st.shard_group.size, pre, st.pool)
+            # The full-size grads are dead once packed: free them before the collective runs
+            # (it may allocate its own temporaries).
+            del grads
+            started.append(start_reduce_scatter(params, inp, st.device, st.shard_group,
+                                                 st.backend, st.stats, post,
+                                                 stream=st.reduce_stream))
         return started
 
     def finish(self, pending: PendingReduce) -> None:
