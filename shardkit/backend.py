@@ -83,6 +83,10 @@ class Backend:
     def _device_module(self) -> Any:
         return torch.get_device_module(self.device_type)
 
+    def max_local_ranks(self) -> int | None:
+        """Return how many ranks one machine can run (None: as many as asked, e.g. ranks share the CPU)."""
+        return None if self.device_type == "cpu" else self.device_count()
+
     def normalize_device(self, device_id: DeviceLike, local_rank: int) -> torch.device:
         """Turn None, an int, "type", "type:i" or a torch.device into this backend's indexed device."""
         if device_id is None:
@@ -323,6 +327,10 @@ class Backend:
         return {}
 
     # ---- launching ----------------------------------------------------------------------------
+    def spawn_ranks(self, body: Any, nprocs: int, args: tuple) -> list[Any] | None:
+        """Run ``body(rank, *args)`` on `nprocs` local ranks the backend's own way, or return None for processes."""
+        return None
+
     def launch_command(self, nproc_per_node: str, launcher_args: Sequence[str],
                        script_argv: Sequence[str]) -> list[str]:
         """Return the command `shardkit launch` runs: torchrun by default; a backend with its own launcher overrides this."""

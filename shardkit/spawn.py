@@ -18,10 +18,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(local_rank: int, fn: Callable, nprocs: int, port: int, backend: Any,
-               args: tuple, threads: int | None, result_dir: str) -> None:
+def _rank_body(local_rank: int, fn: Callable, backend: Any, args: tuple) -> Any:
     from . import runtime
 
+    runtime.init(backend)
+    try:
+        return fn(local_rank, *args)
+    finally:
+        runtime.shutdown()
+
+
+def _rank_main(local_rank: int, fn: Callable, nprocs: int, port: int, backend: Any,
+               args: tuple, threads: int | None, result_dir: str) -> None:
     os.environ.update({"RANK": str(local_rank), "WORLD_SIZE": str(nprocs),
                        "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nprocs),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -29,11 +37,7 @@ def _rank_main(local_rank: int, fn: Callable, nprocs: int, port: int, backend: A
         import torch
 
         torch.set_num_threads(threads)
-    runtime.init(backend)
-    try:
-        value = fn(local_rank, *args)
-    finally:
-        runtime.shutdown()
+    value = _rank_body(local_rank, fn, backend, args)
     # A file, not a queue: a child blocked on a full pipe would never exit and join would hang.
     with open(os.path.join(result_dir, f"rank{local_rank}.pkl"), "wb") as f:
         pickle.dump(value, f)
@@ -51,6 +55,13 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
             f"spawn needs a function and arguments that pickle (ranks start fresh interpreters): "
             f"{exc}. Define the function at module level, not as a lambda or nested function, "
             "and guard the call with `if __name__ == '__main__':`") from exc
+    if backend is not None:
+        from .selection import get_backend
+
+        # A backend whose ranks are not processes (XLA device threads) starts them itself.
+        results = get_backend(backend).spawn_ranks(_rank_body, nprocs, (fn, backend, args))
+        if results is not None:
+            return results
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="shardkit-spawn-") as result_dir:

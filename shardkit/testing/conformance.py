@@ -56,6 +56,8 @@ class Checker:
 
     ctx: DistContext
     workdir: str
+    spawned_rank: int = 0  # what spawn() was asked for (env vars are shared when ranks are threads)
+    spawned_size: int = 1
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -140,8 +142,8 @@ def _check(fn: Callable[[Checker], None]) -> Callable[[Checker], None]:
 def check_context(c: Checker) -> None:
     """The world group, device and static facts a backend reports are coherent."""
     be, world = c.be, c.ctx.world
-    c.expect(world.size == int(os.environ["WORLD_SIZE"]), f"world size {world.size}")
-    c.expect(world.rank == int(os.environ["RANK"]), f"world rank {world.rank}")
+    c.expect(world.size == c.spawned_size, f"world size {world.size}, spawned {c.spawned_size}")
+    c.expect(world.rank == c.spawned_rank, f"world rank {world.rank}, spawned {c.spawned_rank}")
     c.expect(world.ranks == tuple(range(world.size)), f"world ranks {world.ranks}")
     c.expect(c.ctx.device.type == be.device_type, f"device {c.ctx.device} for {be.device_type}")
     c.expect(isinstance(be.capabilities, Capabilities), "capabilities is not a Capabilities")
@@ -429,12 +431,14 @@ def check_memory_stats(c: Checker) -> None:
 CHECK_NAMES = tuple(CHECKS)
 
 
-def run_checks(rank: int, names: Sequence[str], workdir: str) -> dict[str, str | None]:
+def run_checks(rank: int, names: Sequence[str], workdir: str,
+               world_size: int | None = None) -> dict[str, str | None]:
     """Run the named checks on this rank (a spawn target); map each to None or its failure text."""
     ctx = current_context()
+    size = world_size if world_size is not None else int(os.environ["WORLD_SIZE"])
     results: dict[str, str | None] = {}
     for name in names:
-        checker = Checker(ctx, workdir)
+        checker = Checker(ctx, workdir, rank, size)
         try:
             CHECKS[name](checker)
             if checker.errors:
@@ -448,7 +452,7 @@ def run_checks(rank: int, names: Sequence[str], workdir: str) -> dict[str, str |
 
 def max_world_size(backend: Backend) -> int | None:
     """Largest world size one machine can run (None: unlimited, ranks share the host)."""
-    return None if backend.device_type == "cpu" else backend.device_count()
+    return backend.max_local_ranks()
 
 
 @dataclass
@@ -510,7 +514,8 @@ def run_world(backend: str | Backend | type[Backend], world_size: int,
     # A name is re-resolved in each rank; an unregistered Backend object travels pickled.
     target = be.name if isinstance(backend, str) else be
     with tempfile.TemporaryDirectory(prefix="shardkit-conformance-") as workdir:
-        per_rank = spawn(run_checks, world_size, names, workdir, backend=target, threads_per_rank=1)
+        per_rank = spawn(run_checks, world_size, names, workdir, world_size, backend=target,
+                         threads_per_rank=1)
     return WorldResult(be.name, world_size, per_rank)
 
 

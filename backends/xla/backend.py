@@ -1,0 +1,342 @@
+"""The XLA backend: PJRT devices, collectives through torch_xla's `xm` functions.
+
+Why not torch_xla's process group for collectives: on CPU, torch_xla 2.9 runs every device as a
+thread of one process, and torch.distributed's default group belongs to the process, so it cannot
+exist once per device thread. `xm` collectives with explicit replica groups work per thread, and
+on TPU (one process per chip) they are what the process group calls anyway.
+
+Why never `xm.optimizer_step`: it all-reduces (averages) every gradient before `opt.step()`. Under
+sharding the engine has already reduce-scattered and averaged them, so that would reduce a second
+time (and across ranks whose shards differ). shardkit cuts the graph after `opt.step()` instead,
+through an optimizer step post-hook (see `step_hook.py`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from shardkit import Backend, Capabilities
+from shardkit.backend import process_memory
+from shardkit.errors import ShardkitError, UnsupportedOperationError
+from shardkit.handles import CompletedWork, Group, ReduceOp, Work
+from shardkit.launch_env import LaunchEnv
+
+from . import threads
+from .step_hook import install_step_hook
+
+# Per device thread: how many groups this rank has created (groups are matched by creation order).
+_local = threading.local()
+
+
+def _xm() -> Any:
+    import torch_xla.core.xla_model as xm
+
+    return xm
+
+
+def _xr() -> Any:
+    import torch_xla.runtime as xr
+
+    return xr
+
+
+class XLABackend(Backend):
+    """XLA devices (TPU, or CPU with PJRT_DEVICE=CPU) through torch_xla's PJRT runtime."""
+
+    name = "xla"
+    device_type = "xla"
+    priority = 10
+    capabilities = Capabilities(
+        has_streams=False, async_collectives=False, supports_storage_resize=False,
+        shard_alignment=128,  # what XlaFullyShardedDataParallel pads flat params to (x world size)
+        needs_compiler_barrier=True, needs_step_boundary=True, ranks_share_process=True,
+        reduce_ops=frozenset({ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN}),
+        supported_dtypes=frozenset({torch.float32, torch.bfloat16}))
+
+    # ---- availability ---------------------------------------------------------------------------
+    @classmethod
+    def is_available(cls) -> bool:
+        """True when torch_xla is importable."""
+        return importlib.util.find_spec("torch_xla") is not None
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """torch_xla is not installed."""
+        return "torch_xla is not installed"
+
+    @classmethod
+    def auto_select_now(cls) -> bool:
+        """Only when PJRT_DEVICE says which XLA device to use: torch_xla must not hijack other boxes."""
+        return bool(os.environ.get("PJRT_DEVICE"))
+
+    @classmethod
+    def requirement_hint(cls) -> str:
+        """torch_xla must match torch exactly."""
+        return ("pip install 'shardkit[xla]' (torch_xla needs the torch of the same version, e.g. "
+                "torch==2.9.0 torch_xla==2.9.0) and set PJRT_DEVICE (TPU, or CPU for testing)")
+
+    @classmethod
+    def versions(cls) -> dict[str, str]:
+        """torch, torch_xla and the PJRT device type asked for."""
+        out = {"torch": torch.__version__, "pjrt_device": os.environ.get("PJRT_DEVICE", "")}
+        try:
+            import torch_xla
+
+            out["torch_xla"] = str(torch_xla.__version__)
+        except Exception as exc:  # noqa: BLE001 - versions() must not raise
+            out["torch_xla"] = f"unimportable ({type(exc).__name__})"
+        return out
+
+    # ---- devices ------------------------------------------------------------------------------
+    def local_device(self, local_rank: int) -> torch.device:
+        """The device torch_xla assigned to this process or device thread."""
+        import torch_xla
+
+        return torch.device(str(torch_xla.device()))
+
+    def device_count(self) -> int:
+        """Addressable XLA devices in this process."""
+        return int(_xr().addressable_runtime_device_count())
+
+    def max_local_ranks(self) -> int | None:
+        """PJRT_DEVICE=CPU makes as many devices as asked (CPU_NUM_DEVICES); otherwise the chips there are."""
+        if os.environ.get("PJRT_DEVICE", "").upper() == "CPU":
+            return None
+        return self.device_count()
+
+    def set_device(self, device: torch.device) -> None:
+        """Make `device` this thread's default XLA device."""
+        threads.use_device(device)
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """Wait until every graph dispatched to the device has run."""
+        threads.wait_device(device if device is not None else self.local_device(0))
+
+    def process_group_backend(self) -> str:
+        """torch_xla's process group (used only for DDP, see ddp_kwargs)."""
+        return "xla"
+
+    # ---- the job --------------------------------------------------------------------------------
+    def launch_env(self) -> LaunchEnv:
+        """Each device (thread or process) is a rank: ordinals come from torch_xla.runtime."""
+        xr = _xr()
+        world = int(xr.world_size())
+        return LaunchEnv(rank=int(xr.global_ordinal()), world_size=world,
+                         local_rank=int(xr.local_ordinal()),
+                         local_world_size=int(xr.local_device_count()) if world > 1 else 1,
+                         master_addr="127.0.0.1", master_port=None, launcher="torch_xla")
+
+    def init_process_group(self, env: LaunchEnv, timeout: datetime.timedelta) -> Group:
+        """Build this rank's world group; no torch.distributed group is needed for shardkit's collectives."""
+        _local.groups_made = 0
+        install_step_hook()
+        return self._group(tuple(range(env.world_size)), env.rank, index=0)
+
+    def _threaded(self) -> bool:
+        return self.device_count() > 1
+
+    def _group(self, ranks: tuple[int, ...], me: int, index: int) -> Group:
+        device = self.local_device(0)
+        if me not in ranks:
+            return Group(-1, len(ranks), ranks, None)
+        barrier = threads.shared_barrier(ranks, index) if self._threaded() else None
+        world = int(_xr().world_size())
+        replica = [] if len(ranks) == world else [list(ranks)]
+        handle = threads.ThreadGroup(me, ranks, device, barrier, replica)
+        return Group(ranks.index(me), len(ranks), ranks, handle)
+
+    def world_group(self) -> Group:
+        """The group of all ranks, for this thread."""
+        from shardkit.runtime import current_context
+
+        ctx = current_context()
+        if ctx is None or ctx.backend is not self:
+            raise ShardkitError("the XLA world group exists once shardkit.init(backend='xla') ran "
+                                "in this device thread")
+        return ctx.world
+
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        """A subgroup as an XLA replica group; every rank must call this with the same ranks, in the same order."""
+        ranks = tuple(sorted(int(r) for r in ranks))
+        world = int(_xr().world_size())
+        if not ranks or len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= world:
+            raise ShardkitError(f"new_group ranks {list(ranks)} must be distinct ranks in [0, {world})")
+        if 1 < len(ranks) < world:
+            # XLA checks replica ids against the replica count of the compiled module, which a
+            # thread compiling for a subset does not have ("Replica 2 is out of range").
+            raise UnsupportedOperationError(
+                f"backend {self.name!r} supports groups of all {world} ranks or of one rank, not "
+                f"{list(ranks)}: torch_xla 2.9 rejects replica groups that leave ranks out. "
+                "HINT: use ShardingStrategy.FULL_SHARD (no subgroups) on XLA")
+        _local.groups_made = getattr(_local, "groups_made", 0) + 1
+        return self._group(ranks, int(_xr().global_ordinal()), index=_local.groups_made)
+
+    def shutdown(self) -> None:
+        """Wait for this device's work, and destroy torch's "xla" group if DDP made one."""
+        import torch.distributed as dist
+
+        self.synchronize()
+        if dist.is_initialized() and not self._threaded():
+            dist.destroy_process_group()
+
+    # ---- collectives ----------------------------------------------------------------------------
+    def _reduce_type(self, op: str) -> str:
+        if op not in self.capabilities.reduce_ops:
+            raise UnsupportedOperationError(
+                f"backend {self.name!r} does not support reduce op {op!r}; it supports "
+                f"{sorted(self.capabilities.reduce_ops)}. For a mean, reduce with 'sum' and divide.")
+        xm = _xm()
+        return {ReduceOp.SUM: xm.REDUCE_SUM, ReduceOp.MAX: xm.REDUCE_MAX,
+                ReduceOp.MIN: xm.REDUCE_MIN}[op]
+
+    def _collective(self, group: Group, inputs: Sequence[torch.Tensor],
+                    trace: Callable[[list[list[int]]], Sequence[torch.Tensor]]) -> Work:
+        handle: threads.ThreadGroup = group.handle
+        threads.use_device(handle.device)
+        # The collective gets a graph of its own: whatever produced the inputs (possibly
+        # rank-dependent, e.g. slicing this rank's shard) runs first, without collectives.
+        threads.flush(inputs, handle.device)
+        outputs = trace(handle.replica_groups)
+        threads.run_collective_graph(outputs, handle)
+        return CompletedWork()
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
+                               async_op: bool = False) -> Work:
+        """Concatenate every rank's `input` into `output` along dim 0, in group rank order."""
+        if output.numel() != input.numel() * group.size:
+            raise ShardkitError(f"all_gather_into_tensor needs output.numel() == input.numel() * "
+                                f"group size, got {output.numel()} vs {input.numel()} x {group.size}")
+        if group.size == 1:
+            output.copy_(input.reshape(output.shape))
+            return CompletedWork()
+
+        def trace(groups: list[list[int]]) -> list[torch.Tensor]:
+            # pin_layout=False: the pinned variant is an all-reduce padded by ordinal, a graph that
+            # differs per rank and never meets.
+            gathered = _xm().all_gather(input.reshape(-1), dim=0, groups=groups, pin_layout=False)
+            output.copy_(gathered.view(output.shape))
+            return [output]
+
+        return self._collective(group, [input], trace)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
+                              op: str = ReduceOp.SUM, async_op: bool = False) -> Work:
+        """Reduce `input` across ranks and leave this rank's equal slice in `output`."""
+        reduce_type = self._reduce_type(op)
+        if input.numel() != output.numel() * group.size:
+            raise ShardkitError(f"reduce_scatter_tensor needs input.numel() == output.numel() * "
+                                f"group size, got {input.numel()} vs {output.numel()} x {group.size}")
+        if group.size == 1:
+            output.copy_(input.reshape(output.shape))
+            return CompletedWork()
+
+        def trace(groups: list[list[int]]) -> list[torch.Tensor]:
+            part = _xm().reduce_scatter(reduce_type, input.reshape(-1), 1.0, 0, group.size,
+                                        groups=groups, pin_layout=False)
+            output.copy_(part.view(output.shape))
+            return [output]
+
+        return self._collective(group, [input], trace)
+
+    def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = ReduceOp.SUM,
+                   async_op: bool = False) -> Work:
+        """Reduce `tensor` across ranks in place."""
+        reduce_type = self._reduce_type(op)
+        if group.size == 1:
+            return CompletedWork()
+
+        def trace(groups: list[list[int]]) -> list[torch.Tensor]:
+            _xm().all_reduce(reduce_type, [tensor], groups=groups, pin_layout=False)
+            return [tensor]
+
+        return self._collective(group, [tensor], trace)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Work:
+        """Copy `tensor` from group rank `src` to every rank of the group, in place."""
+        if group.size == 1:
+            return CompletedWork()
+        # Whether this rank is the source travels as device data, so every rank traces one graph;
+        # where() instead of xm.collective_broadcast's multiply, which keeps NaN/inf of non-sources.
+        is_src = torch.tensor(group.rank == src).to(tensor.device)
+
+        def trace(groups: list[list[int]]) -> list[torch.Tensor]:
+            mine = torch.where(is_src, tensor, torch.zeros_like(tensor))
+            _xm().all_reduce(_xm().REDUCE_SUM, [mine], groups=groups, pin_layout=False)
+            tensor.copy_(mine)
+            return [tensor]
+
+        return self._collective(group, [tensor, is_src], trace)
+
+    def barrier(self, group: Group) -> None:
+        """Block until every rank of the group has reached this call (and its device work ran)."""
+        if group.size == 1:
+            return
+        handle: threads.ThreadGroup = group.handle
+        threads.sync_device(handle.device)
+        if handle.barrier is not None:
+            handle.meet()
+            return
+        ones = torch.ones(1, device=handle.device)
+        self.all_reduce(ones, group)
+
+    # ---- lazy-tensor specifics ------------------------------------------------------------------
+    def compiler_barrier(self, tensors: Sequence[torch.Tensor]) -> None:
+        """xm.optimization_barrier_: keeps XLA's CSE from fusing a gather with the free after it."""
+        tensors = [t for t in tensors if t.device.type == "xla"]
+        if tensors:
+            _xm().optimization_barrier_(tensors)
+
+    def step_boundary(self) -> None:
+        """Cut and run this device's graph (torch_xla.sync, serialised with the other device threads)."""
+        import torch_xla
+
+        threads.sync_device(torch.device(torch_xla._XLAC._xla_get_default_device()))
+
+    def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
+        """Device bytes in use and peak from xm.get_memory_info; process memory where XLA has none (CPU)."""
+        try:
+            info = _xm().get_memory_info(device)
+            return {"allocated": int(info["bytes_used"]),
+                    "peak": int(info.get("peak_bytes_used", info["bytes_used"]))}
+        except Exception:  # noqa: BLE001 - the CPU client reports no memory info
+            return process_memory()
+
+    def reset_peak_memory(self, device: torch.device | None = None) -> None:
+        """XLA has no peak-memory reset; nothing to do."""
+
+    # ---- torch's own wrappers and launching ------------------------------------------------------
+    def ddp_kwargs(self, device: torch.device) -> dict[str, Any]:
+        """gradient_as_bucket_view=True (XLA tensors have no storage) and torch_xla's process group."""
+        import torch.distributed as dist
+
+        if self._threaded():
+            raise UnsupportedOperationError(
+                "DDP on XLA needs torch_xla's process group, which exists once per process, but "
+                "these XLA devices are threads of one process (PJRT_DEVICE=CPU with "
+                "CPU_NUM_DEVICES > 1). HINT: use shardkit.shard() here, or one device per process.")
+        import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" backend
+
+        if not dist.is_initialized():
+            dist.init_process_group("xla", init_method="xla://")
+        return {"gradient_as_bucket_view": True,
+                "process_group": dist.distributed_c10d._get_default_group()}
+
+    def spawn_ranks(self, body: Callable[..., Any], nprocs: int, args: tuple) -> list[Any] | None:
+        """Run `body(rank, *args)` on `nprocs` XLA devices as torch_xla device threads."""
+        from .spawn import spawn_device_threads
+
+        return spawn_device_threads(body, nprocs, args)
+
+    def launch_command(self, nproc_per_node: str, launcher_args: Sequence[str],
+                       script_argv: Sequence[str]) -> list[str]:
+        """Run the script under torch_xla.launch (one rank per device) via shardkit's XLA launcher."""
+        import sys
+
+        return [sys.executable, "-m", "shardkit_backends.xla.launch", f"--nproc={nproc_per_node}",
+                *launcher_args, "--", *script_argv]

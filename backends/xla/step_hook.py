@@ -1,0 +1,34 @@
+"""The graph cut after every optimizer step, installed once per process by the XLA backend.
+
+An XLA training loop needs `torch_xla.sync()` after `opt.step()`: without it the optimizer's
+updates stay pending and the traced graph grows with every step. shardkit registers a global
+optimizer step post-hook instead, so a loop written for CPU/CUDA runs unchanged; it only acts in
+threads whose shardkit context uses a backend that asks for a step boundary.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_installed = False
+_lock = threading.Lock()
+
+
+def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    from shardkit.runtime import current_context
+
+    ctx = current_context()
+    if ctx is not None and ctx.backend.capabilities.needs_step_boundary:
+        ctx.backend.step_boundary()
+
+
+def install_step_hook() -> None:
+    """Register the post-step hook with torch.optim (once per process)."""
+    global _installed
+    with _lock:
+        if not _installed:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            register_optimizer_step_post_hook(_after_step)
+            _installed = True
