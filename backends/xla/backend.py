@@ -195,16 +195,19 @@ class XLABackend(Backend):
         return {ReduceOp.SUM: xm.REDUCE_SUM, ReduceOp.MAX: xm.REDUCE_MAX,
                 ReduceOp.MIN: xm.REDUCE_MIN}[op]
 
-    def _collective(self, group: Group, inputs: Sequence[torch.Tensor],
-                    trace: Callable[[list[list[int]]], Sequence[torch.Tensor]]) -> Work:
+    def _collective(self, group: Group, tensor: torch.Tensor,
+                    trace: Callable[[torch.Tensor, list[list[int]]], torch.Tensor]) -> torch.Tensor:
+        """Run `trace(flat copy of tensor, replica groups)` as a graph of its own; return its result."""
         handle: threads.ThreadGroup = group.handle
         threads.use_device(handle.device)
-        # The collective gets a graph of its own: whatever produced the inputs (possibly
-        # rank-dependent, e.g. slicing this rank's shard) runs first, without collectives.
-        threads.flush(inputs, handle.device)
-        outputs = trace(handle.replica_groups)
-        threads.run_collective_graph(outputs, handle)
-        return CompletedWork()
+        # A fresh flat copy, executed first: a view (the engine gathers in place, so its input is
+        # this rank's row of the output) would drag its base's history, which depends on the rank,
+        # into the collective's graph, and ranks whose graphs differ never meet.
+        src = tensor.detach().reshape(-1).clone()
+        threads.flush([src], handle.device)
+        result = trace(src, handle.replica_groups)
+        threads.run_collective_graph([result], handle)
+        return result
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                                async_op: bool = False) -> Work:
@@ -215,15 +218,12 @@ class XLABackend(Backend):
         if group.size == 1:
             output.copy_(input.reshape(output.shape))
             return CompletedWork()
-
-        def trace(groups: list[list[int]]) -> list[torch.Tensor]:
-            # pin_layout=False: the pinned variant is an all-reduce padded by ordinal, a graph that
-            # differs per rank and never meets.
-            gathered = _xm().all_gather(input.reshape(-1), dim=0, groups=groups, pin_layout=False)
-            output.copy_(gathered.view(output.shape))
-            return [output]
-
-        return self._collective(group, [input], trace)
+        # pin_layout=False: the pinned variant is an all-reduce padded by ordinal, a graph that
+        # differs per rank and never meets.
+        gathered = self._collective(group, input, lambda src, groups: _xm().all_gather(
+            src, dim=0, groups=groups, pin_layout=False))
+        output.copy_(gathered.view(output.shape))
+        return CompletedWork()
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                               op: str = ReduceOp.SUM, async_op: bool = False) -> Work:
@@ -235,14 +235,10 @@ class XLABackend(Backend):
         if group.size == 1:
             output.copy_(input.reshape(output.shape))
             return CompletedWork()
-
-        def trace(groups: list[list[int]]) -> list[torch.Tensor]:
-            part = _xm().reduce_scatter(reduce_type, input.reshape(-1), 1.0, 0, group.size,
-                                        groups=groups, pin_layout=False)
-            output.copy_(part.view(output.shape))
-            return [output]
-
-        return self._collective(group, [input], trace)
+        part = self._collective(group, input, lambda src, groups: _xm().reduce_scatter(
+            reduce_type, src, 1.0, 0, group.size, groups=groups, pin_layout=False))
+        output.copy_(part.view(output.shape))
+        return CompletedWork()
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = ReduceOp.SUM,
                    async_op: bool = False) -> Work:
@@ -251,11 +247,12 @@ class XLABackend(Backend):
         if group.size == 1:
             return CompletedWork()
 
-        def trace(groups: list[list[int]]) -> list[torch.Tensor]:
-            _xm().all_reduce(reduce_type, [tensor], groups=groups, pin_layout=False)
-            return [tensor]
+        def trace(src: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
+            _xm().all_reduce(reduce_type, [src], groups=groups, pin_layout=False)
+            return src
 
-        return self._collective(group, [tensor], trace)
+        tensor.copy_(self._collective(group, tensor, trace).view(tensor.shape))
+        return CompletedWork()
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Work:
         """Copy `tensor` from group rank `src` to every rank of the group, in place."""
@@ -265,13 +262,13 @@ class XLABackend(Backend):
         # where() instead of xm.collective_broadcast's multiply, which keeps NaN/inf of non-sources.
         is_src = torch.tensor(group.rank == src).to(tensor.device)
 
-        def trace(groups: list[list[int]]) -> list[torch.Tensor]:
-            mine = torch.where(is_src, tensor, torch.zeros_like(tensor))
+        def trace(flat: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
+            mine = torch.where(is_src, flat, torch.zeros_like(flat))
             _xm().all_reduce(_xm().REDUCE_SUM, [mine], groups=groups, pin_layout=False)
-            tensor.copy_(mine)
-            return [tensor]
+            return mine
 
-        return self._collective(group, [tensor, is_src], trace)
+        tensor.copy_(self._collective(group, tensor, trace).view(tensor.shape))
+        return CompletedWork()
 
     def barrier(self, group: Group) -> None:
         """Block until every rank of the group has reached this call (and its device work ran)."""
