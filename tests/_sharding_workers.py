@@ -143,6 +143,23 @@ def api_checks(rank: int, world: int) -> dict:
     load_full_param_(model, "head.weight", target)
     out["load_same_object"] = model.get_parameter("head.weight") is before
     out["load_roundtrip"] = torch.equal(full_params(model)["head.weight"], target)
+    out["errors"] = {}
+    for name, call in [
+            ("twice", lambda: shardkit.shard(model)),
+            ("hybrid_k", lambda: shardkit.shard(TinyNet(), strategy="HYBRID_SHARD", hybrid_group_size=2)),
+            ("strategy", lambda: shardkit.shard(TinyNet(), strategy="zero4")),
+            ("device", lambda: shardkit.shard(TinyNet(), device_id="meta:0")),
+            ("prefetch", lambda: shardkit.shard(TinyNet(), prefetch=-1))]:
+        try:
+            call()
+            out["errors"][name] = None
+        except shardkit.ShardkitError as exc:
+            out["errors"][name] = str(exc)
+    out["device_int"] = str(shardkit.sharding.get_state(shardkit.shard(TinyNet(), device_id=0)).device)
+    # unshard(writeback=True) writes edits of the full weights back into the shards.
+    with torch.no_grad(), model.unshard(writeback=True):
+        model.head.bias.fill_(7.0)
+    out["writeback"] = bool((full_params(model)["head.bias"] == 7.0).all())
     return out
 
 

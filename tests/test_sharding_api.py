@@ -23,6 +23,13 @@ def test_names_views_and_load_full_param_on_three_ranks():
             assert v["valid"] == max(0, min(v["shard_numel"], v["numel"] - v["offset"]))
             assert v["shape_ok"] and v["slice_ok"] and v["pad_zero"] and v["is_param"]
             assert v["group"] == (3, True) and v["dtype"] == torch.float32
-        assert r["load_same_object"] and r["load_roundtrip"]
+        assert r["load_same_object"] and r["load_roundtrip"] and r["writeback"]
+        assert r["device_int"] == "cpu"  # the backend normalised device_id=0
+        errors = r["errors"]
+        assert "already sharded" in errors["twice"]
+        assert "multiple of the shard group size" in errors["hybrid_k"] and "HINT" in errors["hybrid_k"]
+        assert "unknown sharding strategy" in errors["strategy"]
+        assert "device" in errors["device"]
+        assert "prefetch" in errors["prefetch"]
     # Uneven shards really occur: some rank holds padding for some parameter.
     assert any(v["valid"] < v["shard_numel"] for r in results for v in r["views"])

@@ -53,7 +53,24 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
           backend: str | Backend | None = None, cpu_offload: bool = False,
           param_init_fn: Callable[[nn.Module], object] | None = None, prefetch: int = 1,
           hybrid_group_size: int | None = None) -> nn.Module:
-    """Shard `model` in place over the data-parallel ranks and return it (names unchanged)."""
+    """Shard `model` in place over the data-parallel ranks and return it (names unchanged).
+
+    - strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (gathered params kept from forward to
+      backward), NO_SHARD (replicated, grads all-reduced), HYBRID_SHARD (shard inside groups of
+      `hybrid_group_size` ranks, default the local world size; replicate across groups).
+    - auto_wrap_policy: which submodules become units (shardkit.wrap.* or any callable(module)
+      -> bool); the rest belongs to the root unit. A parameter shared by several units (tied
+      weights) belongs to their nearest common unit, which stays gathered while they run.
+    - mixed_precision: compute/reduce/buffer dtypes; the sharded params stay the master copy.
+    - device_id: the compute device (int, "type", "type:i" or torch.device; the backend
+      normalises it). cpu_offload=True keeps shards and grads on the host (the optimizer steps
+      there). A model on the meta device is materialised module by module on that device with
+      param_init_fn(module) or module.reset_parameters(), and sharded as it goes.
+    - prefetch: how many next units' all-gathers may be in flight ahead of use (0: none).
+    Afterwards model.parameters() are this rank's 1-D padded shards (what the optimizer owns);
+    model.no_sync() and model.unshard() are available, and the model's context (backend,
+    groups) lives on the model, not in process-global state.
+    """
     if not isinstance(model, nn.Module):
         raise ShardkitError(f"shard() needs an nn.Module, got {type(model).__name__}")
     _check_not_sharded(model)
