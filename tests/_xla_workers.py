@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,14 @@ def max_diff_to(model: torch.nn.Module, ref: torch.nn.Module) -> float:
     return max((full[k] - p.detach()).abs().max().item() for k, p in ref.named_parameters())
 
 
+def compile_count() -> int:
+    """Graphs torch_xla has compiled in this process so far (all device threads together)."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
 def engine_parity(rank: int, world: int, strategy: str, optimizer: str) -> dict:
     """Train sharded on XLA and unsharded on CPU (global batch) side by side; per-step differences."""
     ctx = shardkit.current_context()
@@ -48,8 +57,10 @@ def engine_parity(rank: int, world: int, strategy: str, optimizer: str) -> dict:
     opt, ref_opt = make(model.parameters()), make(ref.parameters())
     out = {"init_diff": max_diff_to(model, ref), "diffs": [], "losses": [], "ref_losses": [],
            "devices": sorted({str(p.device) for p in model.parameters()}),
-           "device": str(ctx.device), "world": ctx.world_size}
+           "device": str(ctx.device), "world": ctx.world_size, "step_s": [],
+           "compiles": []}
     for step in range(STEPS):
+        started = time.perf_counter()
         x, y = (t.to(ctx.device) for t in batch(step, rank))
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -62,6 +73,8 @@ def engine_parity(rank: int, world: int, strategy: str, optimizer: str) -> dict:
         ref_opt.zero_grad()
         out["losses"].append(loss.item())
         out["ref_losses"].append(ref_loss.item())
+        out["step_s"].append(round(time.perf_counter() - started, 2))
+        out["compiles"].append(compile_count())
         out["diffs"].append(max_diff_to(model, ref))
     return out
 
@@ -86,3 +99,12 @@ def replicate_parity(rank: int, world: int) -> dict:
         out["diffs"].append(max((p.detach().cpu() - q.detach()).abs().max().item()
                                 for p, q in zip(ddp.module.parameters(), ref.parameters())))
     return out
+
+
+def replicate_refused(rank: int) -> str:
+    """What shardkit.replicate raises when the XLA ranks are threads of one process."""
+    try:
+        shardkit.replicate(TinyNet())
+    except Exception as exc:  # noqa: BLE001 - the type and text are the result
+        return f"{type(exc).__name__}: {exc}"
+    return "nothing raised"

@@ -332,8 +332,9 @@ class XLABackend(Backend):
 
     def launch_command(self, nproc_per_node: str, launcher_args: Sequence[str],
                        script_argv: Sequence[str]) -> list[str]:
-        """Run the script under torch_xla.launch (one rank per device) via shardkit's XLA launcher."""
+        """torch_xla's launcher (torch_xla.launch, one rank per device) wrapped as a command."""
         import sys
 
-        return [sys.executable, "-m", "shardkit_backends.xla.launch", f"--nproc={nproc_per_node}",
-                *launcher_args, "--", *script_argv]
+        nproc = [] if nproc_per_node in ("", "auto") else [f"--nproc={nproc_per_node}"]
+        return [sys.executable, "-m", "shardkit_backends.xla.launch", *nproc, *launcher_args,
+                "--", *script_argv]
