@@ -235,6 +235,8 @@ def features(rank: int, world: int) -> dict:
         "prefetch2": parity_run(rank, "FULL_SHARD", world, {"prefetch": 2}),
         "mixed_precision": mp_parity_run(rank, world),
         "unshard": unshard_checks(rank, world),
+        "frozen_bytes": bytes_one_step(rank, world, "FULL_SHARD",
+                                       freeze=("blocks.0.fc1.weight", "blocks.0.fc1.bias")),
     }
 
 
@@ -282,12 +284,16 @@ def fsdp2_compare(rank: int, world: int) -> dict:
     return out
 
 
-def bytes_one_step(rank: int, world: int, strategy: str, shard_kwargs: dict | None = None) -> dict:
+def bytes_one_step(rank: int, world: int, strategy: str, shard_kwargs: dict | None = None,
+                   freeze: tuple[str, ...] = ()) -> dict:
     """Bytes this rank sent in one training step, with the numbers the formulas need."""
     from shardkit.sharding import shard_views
 
     torch.manual_seed(0)
-    model = shardkit.shard(TinyNet(), strategy=strategy,
+    model = TinyNet()
+    for name in freeze:
+        model.get_parameter(name).requires_grad_(False)
+    model = shardkit.shard(model, strategy=strategy,
                            auto_wrap_policy=shardkit.wrap.transformer_layers({Block}),
                            **(shard_kwargs or {}))
     views = shard_views(model)
@@ -298,6 +304,7 @@ def bytes_one_step(rank: int, world: int, strategy: str, shard_kwargs: dict | No
     n = views[0].shard_group.size
     return {"stats": stats, "P": sum(v.full_shape.numel() for v in views),
             "padded": sum(v.shard_numel * n for v in views), "shard_group": n,
+            "padded_trainable": sum(v.shard_numel * n for v in views if v.requires_grad),
             "replica_group": views[0].replica_group.size if views[0].replica_group else 1}
 
 

@@ -34,6 +34,11 @@ def test_frozen_parameters_get_no_gradient(results):
     for r in results:
         assert _ok(r["frozen"]) and _ok(r["inputs_no_grad"])
         assert r["frozen"]["frozen_grads"] == [0] * 5
+        # frozen params are gathered but never reduced: the reduce-scatter carries only the rest
+        b = r["frozen_bytes"]
+        assert b["padded_trainable"] < b["padded"]
+        assert b["stats"]["reduce_scatter"] == (2 - 1) / 2 * 4 * b["padded_trainable"]
+        assert b["stats"]["all_gather"] == 2 * (2 - 1) / 2 * 4 * b["padded"]
 
 
 def test_tied_parameters_across_units(results):

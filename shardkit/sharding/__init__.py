@@ -1,4 +1,13 @@
-"""The sharding engine: per-parameter shards, per-unit flat collectives, hook-driven runtime."""
+"""The sharding engine: per-parameter shards, per-unit flat collectives, hook-driven runtime.
+
+Layout (one job per file): policies (strategy, MixedPrecision, config), plan (which module is a
+unit, which unit owns each parameter), groups (shard / replicate groups), param (one parameter's
+shard and gathered tensor), collectives (copy-in, collective, copy-out; divide factors), buffers
+(flat-buffer reuse on host-ordered devices), unit (unshard / reshard / reduce of one unit),
+state (per-model context, execution order, prefetch, backward finaliser), hooks (module and
+autograd hooks), materialize (meta-device init), api (shard()), module_api (no_sync, unshard),
+clip (clip_grad_norm_), comm_stats (bytes sent), views (the checkpoint contract).
+"""
 
 from .api import shard
 from .clip import clip_grad_norm_

@@ -15,12 +15,14 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the unit's whole backward is done."""
 
     @staticmethod
-    def forward(ctx, unit: ShardUnit, *inputs: torch.Tensor):  # noqa: D401 - autograd API
+    def forward(ctx, unit: ShardUnit, *inputs: torch.Tensor):
+        """Pass the inputs through unchanged, remembering the unit."""
         ctx.unit = unit
         return inputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
+        """Grads reached the unit's inputs: once every forward call's backward is done, reduce."""
         unit = ctx.unit
         unit.forward_uses -= 1
         if unit.forward_uses == 0 and unit.needs_post_backward:
