@@ -62,7 +62,8 @@ def parity_run(rank: int, strategy: str, world: int, shard_kwargs: dict | None =
                seed: int = 0, lr: float = 1e-2, micro: int = 1, clip: float | None = None,
                norm_type: float = 2.0,
                freeze: tuple[str, ...] = (), tie: bool = False, meta: bool = False,
-               two_forwards: bool = False, model_cls: type = TinyNet) -> dict:
+               two_forwards: bool = False, model_cls: type = TinyNet,
+               eval_between: bool = False) -> dict:
     """Train sharded and unsharded (on the global batch) side by side; report per-step differences.
 
     micro > 1: the first micro-1 backward passes run under no_sync; the reference accumulates the
@@ -101,6 +102,10 @@ def parity_run(rank: int, strategy: str, world: int, shard_kwargs: dict | None =
             out["norms"].append((float(ours), float(theirs)))
         out["frozen_grads"].append(sum(p.grad is not None for p in model.parameters()
                                        if not p.requires_grad))
+        if eval_between:  # a no-grad forward before the step; the next forward must not reuse it
+            with torch.no_grad():
+                ex = batch(999, rank)[0].to(dev)
+                out.setdefault("eval_diffs", []).append((model(ex) - ref(ex)).abs().max().item())
         opt.step()
         opt.zero_grad()
         ref_opt.step()
@@ -232,6 +237,8 @@ def features(rank: int, world: int) -> dict:
         "called_twice": parity_run(rank, "FULL_SHARD", world, model_cls=TwiceNet),
         "cpu_offload": parity_run(rank, "FULL_SHARD", world, {"cpu_offload": True}),
         "prefetch0": parity_run(rank, "FULL_SHARD", world, {"prefetch": 0}),
+        "eval_full": parity_run(rank, "FULL_SHARD", world, eval_between=True),
+        "eval_sgo": parity_run(rank, "SHARD_GRAD_OP", world, eval_between=True),
         "prefetch2": parity_run(rank, "FULL_SHARD", world, {"prefetch": 2}),
         "mixed_precision": mp_parity_run(rank, world),
         "unshard": unshard_checks(rank, world),

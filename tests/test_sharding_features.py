@@ -80,3 +80,10 @@ def test_unshard_context_gathers_once_and_restores_shards(results):
         assert u["shapes_full"] and u["repeat_equal"] and u["sharded_after"]
         assert u["out_diff"] == 0.0
         assert u["gather_calls"] == u["units"] == UNITS
+
+
+def test_no_grad_forward_between_steps_sees_the_updated_weights(results):
+    for r in results:
+        for key in ("eval_full", "eval_sgo"):
+            assert _ok(r[key])
+            assert len(r[key]["eval_diffs"]) == 5 and max(r[key]["eval_diffs"]) <= 1e-5

@@ -58,7 +58,14 @@ class ShardState:
 
     # ---- iteration boundaries ------------------------------------------------------------
     def on_root_pre_forward(self) -> None:
-        """Start recording execution order on the first forward with grad."""
+        """Start an iteration: drop gathers an optimizer step may have made stale; record order."""
+        if not self.keep_unsharded and not any(u.needs_post_backward for u in self.units):
+            # No backward is pending, so nothing needs the gathered params any more; what a
+            # no-grad forward (SHARD_GRAD_OP) or an unused prefetch left behind may predate
+            # an optimizer step.
+            for unit in self.units:
+                unit.reshard()
+                unit.register(unsharded=False)
         if not self.order_recorded and not self.recording and torch.is_grad_enabled():
             self.recording = True
 
