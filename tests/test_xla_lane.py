@@ -73,7 +73,7 @@ def _assert_parity(runs):
         assert all(abs(loss) < 10 for loss in run["losses"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # the first two steps compile every graph (minutes on a loaded 2-core box)
 def test_engine_parity_one_device_adamw():
     runs = shardkit.spawn(_workers().engine_parity, 1, 1, "FULL_SHARD", "adamw", backend="xla")
     _assert_parity(runs)
@@ -84,14 +84,14 @@ def test_engine_parity_one_device_adamw():
     assert run["compiles"][2] == run["compiles"][-1], run["compiles"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # the first two steps compile every graph (minutes on a loaded 2-core box)
 def test_engine_parity_two_devices():
     runs = shardkit.spawn(_workers().engine_parity, 2, 2, "FULL_SHARD", "sgd", backend="xla")
     _assert_parity(runs)
     assert runs[0]["compiles"][2] == runs[0]["compiles"][-1], runs[0]["compiles"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # the first two steps compile every graph (minutes on a loaded 2-core box)
 def test_shard_grad_op_two_devices():
     _assert_parity(shardkit.spawn(_workers().engine_parity, 2, 2, "SHARD_GRAD_OP", "sgd",
                                   backend="xla"))
@@ -113,7 +113,7 @@ def test_replicate_refuses_thread_ranks():
 
 
 # ---- the example ---------------------------------------------------------------------------------
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # the first two steps compile every graph (minutes on a loaded 2-core box)
 def test_xla_fsdp_example_learns_on_two_devices(monkeypatch):
     import math
     import pathlib

@@ -64,12 +64,6 @@ def shared_barrier(ranks: tuple[int, ...], index: int) -> threading.Barrier:
         return _GROUP_BARRIERS[key]
 
 
-def forget_groups() -> None:
-    """Drop the shared barriers (every rank has shut down)."""
-    with _REGISTRY_LOCK:
-        _GROUP_BARRIERS.clear()
-
-
 def _real_device(device: torch.device) -> str:
     import torch_xla.core.xla_model as xm
 
