@@ -207,7 +207,7 @@ def target_lines(rows: list[dict]) -> list[str]:
         checks.append(("peak RSS/rank <= FSDP2", max(sk["peak_rss_mb"]) / max(fsdp2["peak_rss_mb"]), 1.0))
     if ddp:
         checks.append(("step time <= 1.2 x DDP", sk["sec_per_step"] / ddp["sec_per_step"], 1.2))
-    return [f"- {name}: {ratio:.2f} -> {'met' if ratio <= limit else 'MISSED'}"
+    return [f"- {name}: {ratio:.3f} -> {'met' if ratio <= limit else 'MISSED'}"
             for name, ratio, limit in checks]
 
 
