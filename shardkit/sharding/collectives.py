@@ -54,19 +54,21 @@ class PendingGather:
 def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device: torch.device,
                      group: Group, backend: Backend, stats: CommStats | None,
                      async_op: bool, stream: Any = None,
-                     pool: BufferPool | None = None) -> PendingGather:
+                     pool: BufferPool | None = None,
+                     out: torch.Tensor | None = None) -> PendingGather:
     """Copy this rank's shards (cast to `dtype`) into one flat input and start the all-gather.
 
     With a separate gather `stream`, copy-in and the collective run there so they overlap with
     compute; the stream first waits for the compute stream (the optimizer may just have written
-    the shards).
+    the shards). `out`, if given, is the flat output to gather into instead of a pool buffer.
     """
     stream = stream if stream is not None else backend.current_stream(device)
     stream.wait_stream(backend.current_stream(device))
     with backend.use_stream(stream):
         pool = pool or _NO_POOL
         row = sum(p.shard_numel for p in params)
-        out = pool.take(group.size * row, dtype, device)
+        if out is None:
+            out = pool.take(group.size * row, dtype, device)
         # Copy-in straight into this rank's row of the output (an in-place all-gather): no
         # separate input buffer, one copy fewer.
         inp = out[group.rank * row:(group.rank + 1) * row]
@@ -124,6 +126,7 @@ class PendingReduce:
     input: torch.Tensor  # kept alive until the collective finished reading it
     post_divide: float
     event: Any = None  # recorded on the reduce stream after the collective was queued
+    pooled: bool = True  # whether `input` came from the buffer pool (else it is a dead grad)
 
 
 def pack_grads(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | None],
@@ -148,7 +151,8 @@ def pack_grads(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | No
 
 def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, device: torch.device,
                          group: Group, backend: Backend, stats: CommStats | None,
-                         post_divide: float, stream: Any = None) -> PendingReduce:
+                         post_divide: float, stream: Any = None,
+                         pooled: bool = True) -> PendingReduce:
     """Start the sum reduce-scatter of a packed input; this rank's row lands in the output."""
     # Packing ran on the compute stream (where the grads were made); the collective runs on the
     # reduce stream so the next unit's backward can proceed.
@@ -162,7 +166,7 @@ def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, devi
         work = backend.reduce_scatter_tensor(out, inp.view(-1), group, op="sum", async_op=True)
         event = backend.new_event()
         event.record(stream)
-    return PendingReduce(list(params), work, out, inp, post_divide, event)
+    return PendingReduce(list(params), work, out, inp, post_divide, event, pooled)
 
 
 def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backend,
@@ -181,7 +185,7 @@ def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backen
         backend.all_reduce(out, replica, op="sum").wait()
     if pending.post_divide != 1.0:
         out.div_(pending.post_divide)
-    if pool is not None:
+    if pool is not None and pending.pooled:
         pool.give(pending.input)
     for p, at in zip(pending.params, column_offsets(pending.params)):
         p.accumulate_grad(out[at:at + p.shard_numel])

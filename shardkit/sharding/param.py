@@ -19,6 +19,12 @@ from ..backend import Backend
 from ..handles import Group
 
 
+# Parameters at least this large get their own collectives straight into / out of their padded
+# flat storage: for them the copy between the flat bucket and the parameter costs as much as the
+# collective, while one more small collective per parameter costs next to nothing.
+DIRECT_MIN_NUMEL = 1 << 20
+
+
 class ShardedParam:
     """Per-parameter state: names, shapes, the owned shard and the (re)gathered full tensor."""
 
@@ -46,9 +52,19 @@ class ShardedParam:
         self.is_meta = orig.device.type == "meta"
         if not self.is_meta:
             self.load_full(orig.detach())
-        self.unsharded = nn.Parameter(
-            torch.empty(self.full_shape, dtype=compute_dtype, device=compute_device),
-            requires_grad=orig.requires_grad)
+        # A direct parameter's unsharded tensor is a view of its padded flat storage, which is
+        # exactly one all-gather output (rank-major shards of one parameter); freeing and
+        # re-allocating that storage keeps both views (and autograd's saved ones) valid.
+        self.direct = (backend.capabilities.supports_storage_resize
+                       and self.numel >= DIRECT_MIN_NUMEL)
+        flat = torch.empty(self.padded_numel if self.direct else 0,
+                           dtype=compute_dtype, device=compute_device)
+        full = (flat[:self.numel].view(self.full_shape) if self.direct
+                else torch.empty(self.full_shape, dtype=compute_dtype, device=compute_device))
+        self.unsharded = nn.Parameter(full, requires_grad=orig.requires_grad)
+        # `.data`: a separate version counter, so re-gathering for backward does not look like
+        # an in-place edit of the tensor autograd saved in forward (as copy-out into .data did).
+        self.unsharded_flat = flat.data
         self.free_unsharded()
 
     @property
@@ -86,7 +102,9 @@ class ShardedParam:
     # ---- the gathered full tensor ------------------------------------------------------------
     def alloc_unsharded(self) -> None:
         """Give the unsharded parameter memory for its full shape (values are filled by copy-out)."""
-        if self._backend.capabilities.supports_storage_resize:
+        if self.direct:
+            self._backend.alloc_storage(self.unsharded_flat)  # the padded size, not just numel
+        elif self._backend.capabilities.supports_storage_resize:
             self._backend.alloc_storage(self.unsharded)
         else:
             # No storage to resize (lazy tensors): swap in a fresh tensor under the same Parameter.

@@ -59,11 +59,21 @@ class ShardUnit:
         if self.is_unsharded or self.pending:
             return
         st = self.state
+        async_op = async_op and st.async_collectives
         for dtype, params in self.gather_buckets.items():
-            pending = start_all_gather(params, dtype, st.device, st.shard_group, st.backend,
-                                       st.stats, async_op=async_op and st.async_collectives,
-                                       stream=st.gather_stream, pool=st.pool)
-            self.pending.append((params, pending))
+            packed = [p for p in params if not p.direct]
+            for p in params:
+                if p.direct:  # gathered straight into its own storage: no copy-out
+                    p.alloc_unsharded()
+                    pending = start_all_gather([p], dtype, st.device, st.shard_group, st.backend,
+                                               st.stats, async_op=async_op,
+                                               stream=st.gather_stream, out=p.unsharded_flat)
+                    self.pending.append(([p], pending))
+            if packed:
+                pending = start_all_gather(packed, dtype, st.device, st.shard_group, st.backend,
+                                           st.stats, async_op=async_op,
+                                           stream=st.gather_stream, pool=st.pool)
+                self.pending.append((packed, pending))
 
     def wait_for_unshard(self) -> None:
         """Make the unsharded params hold the gathered values (issuing the gather if needed)."""
@@ -74,6 +84,8 @@ class ShardUnit:
         st = self.state
         for params, pending in self.pending:
             pending.wait(st.backend, st.device)
+            if params[0].direct:
+                continue
             for p in params:
                 p.alloc_unsharded()
             copy_out(params, pending.output, [p.unsharded.data for p in params],
@@ -86,9 +98,12 @@ class ShardUnit:
 
     def reshard(self) -> None:
         """Free the gathered params (and drop a prefetched gather nobody used)."""
-        for _, pending in self.pending:
+        for params, pending in self.pending:
             pending.wait(self.state.backend, self.state.device)  # buffers must outlive it
-            self.state.pool.give(pending.output)
+            if params[0].direct:
+                params[0].free_unsharded()
+            else:
+                self.state.pool.give(pending.output)
         self.pending = []
         if self.is_unsharded:
             if self.state.needs_compiler_barrier:
@@ -111,12 +126,28 @@ class ShardUnit:
         started = []
         for dtype, params in self.reduce_buckets.items():
             pre, post = divide_factors(st.dp_size, dtype)
-            grads = [p.take_unsharded_grad() for p in params]
-            inp = pack_grads(params, grads, dtype, st.device, st.shard_group.size, pre, st.pool)
+            packed, grads = [], []
+            for p in params:
+                grad = p.take_unsharded_grad()
+                if (p.direct and grad is not None and grad.dtype == dtype
+                        and p.numel == p.padded_numel and grad.is_contiguous()):
+                    # Unpadded and contiguous, the grad already is the (group, row) input.
+                    inp = grad.view(st.shard_group.size, p.shard_numel)
+                    if pre != 1.0:
+                        inp.div_(pre)
+                    started.append(start_reduce_scatter([p], inp, st.device, st.shard_group,
+                                                         st.backend, st.stats, post,
+                                                         stream=st.reduce_stream, pooled=False))
+                else:
+                    packed.append(p)
+                    grads.append(grad)
+            if not packed:
+                continue
+            inp = pack_grads(packed, grads, dtype, st.device, st.shard_group.size, pre, st.pool)
             # The full-size grads are dead once packed: free them before the collective runs
             # (it may allocate its own temporaries).
             del grads
-            started.append(start_reduce_scatter(params, inp, st.device, st.shard_group,
+            started.append(start_reduce_scatter(packed, inp, st.device, st.shard_group,
                                                  st.backend, st.stats, post,
                                                  stream=st.reduce_stream))
         return started
