@@ -272,9 +272,9 @@ class Backend:
         """Concatenate every rank's `input` into `output` (rank order, along dim 0)."""
         import torch.distributed as dist
 
+        check_flat_sizes("all_gather_into_tensor", "output", output, "input", input, group)
         if group.size == 1:
-            output.copy_(input.reshape(output.shape))
-            return CompletedWork()
+            return copy_locally(output, input)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return TorchWork(gather(output, input, group=group.handle, async_op=async_op))
 
@@ -284,13 +284,10 @@ class Backend:
         import torch.distributed as dist
 
         torch_op = self._torch_op(op)
-        if input.numel() != output.numel() * group.size:
-            # gloo aborts the whole process on this in some torch versions: refuse it first.
-            raise ShardkitError(f"reduce_scatter_tensor needs input.numel() == output.numel() * "
-                                f"group size, got {input.numel()} vs {output.numel()} x {group.size}")
+        # gloo aborts the whole process on a size mismatch in some torch versions: refuse it first.
+        check_flat_sizes("reduce_scatter_tensor", "input", input, "output", output, group)
         if group.size == 1:
-            output.copy_(input.reshape(output.shape))
-            return CompletedWork()
+            return copy_locally(output, input)
         # torch >= 2.12 renamed these (the old names warn); 2.9-2.11 have only the old ones.
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return TorchWork(scatter(output, input, op=torch_op, group=group.handle, async_op=async_op))
@@ -355,3 +352,16 @@ def process_memory() -> dict[str, int]:
         current = peak
     return {"allocated": current, "peak": peak}
 
+
+def check_flat_sizes(op: str, whole_name: str, whole: torch.Tensor, part_name: str,
+                     part: torch.Tensor, group: Group) -> None:
+    """Raise a ShardkitError unless `whole` holds exactly one `part` per rank of `group`."""
+    if whole.numel() != part.numel() * group.size:
+        raise ShardkitError(f"{op} needs {whole_name}.numel() == {part_name}.numel() * group size, "
+                            f"got {whole.numel()} vs {part.numel()} x {group.size}")
+
+
+def copy_locally(output: torch.Tensor, input: torch.Tensor) -> Work:
+    """The gather or reduce-scatter of a one-rank group: a copy, already complete."""
+    output.copy_(input.reshape(output.shape))
+    return CompletedWork()

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shardkit import Backend, Capabilities
-from shardkit.backend import process_memory
+from shardkit.backend import check_flat_sizes, copy_locally, process_memory
 from shardkit.errors import ShardkitError, UnsupportedOperationError
 from shardkit.handles import CompletedWork, Group, ReduceOp, Work
 from shardkit.launch_env import LaunchEnv
@@ -212,12 +212,9 @@ class XLABackend(Backend):
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                                async_op: bool = False) -> Work:
         """Concatenate every rank's `input` into `output` along dim 0, in group rank order."""
-        if output.numel() != input.numel() * group.size:
-            raise ShardkitError(f"all_gather_into_tensor needs output.numel() == input.numel() * "
-                                f"group size, got {output.numel()} vs {input.numel()} x {group.size}")
+        check_flat_sizes("all_gather_into_tensor", "output", output, "input", input, group)
         if group.size == 1:
-            output.copy_(input.reshape(output.shape))
-            return CompletedWork()
+            return copy_locally(output, input)
         # pin_layout=False: the pinned variant is an all-reduce padded by ordinal, a graph that
         # differs per rank and never meets.
         gathered = self._collective(group, input, lambda src, groups: _xm().all_gather(
@@ -229,12 +226,9 @@ class XLABackend(Backend):
                               op: str = ReduceOp.SUM, async_op: bool = False) -> Work:
         """Reduce `input` across ranks and leave this rank's equal slice in `output`."""
         reduce_type = self._reduce_type(op)
-        if input.numel() != output.numel() * group.size:
-            raise ShardkitError(f"reduce_scatter_tensor needs input.numel() == output.numel() * "
-                                f"group size, got {input.numel()} vs {output.numel()} x {group.size}")
+        check_flat_sizes("reduce_scatter_tensor", "input", input, "output", output, group)
         if group.size == 1:
-            output.copy_(input.reshape(output.shape))
-            return CompletedWork()
+            return copy_locally(output, input)
         part = self._collective(group, input, lambda src, groups: _xm().reduce_scatter(
             reduce_type, src, 1.0, 0, group.size, groups=groups, pin_layout=False))
         output.copy_(part.view(output.shape))
