@@ -18,18 +18,15 @@ from ..handles import Group, Work
 from .buffers import BufferPool
 from .comm_stats import CommStats
 from .param import ShardedParam
+from .trace import trace_range
 
 
 _NO_POOL = BufferPool(enabled=False, max_buffers=0)
 
 
-def column_offsets(params: Sequence[ShardedParam]) -> list[int]:
-    """Start column of each parameter inside a row of the unit's flat buffer."""
-    offsets, at = [], 0
-    for p in params:
-        offsets.append(at)
-        at += p.shard_numel
-    return offsets
+def row_sizes(params: Sequence[ShardedParam]) -> list[int]:
+    """Elements each parameter takes in one row of the unit's flat buffer (its shard size)."""
+    return [p.shard_numel for p in params]
 
 
 @dataclass
@@ -54,44 +51,59 @@ class PendingGather:
 def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device: torch.device,
                      group: Group, backend: Backend, stats: CommStats | None,
                      async_op: bool, stream: Any = None,
-                     pool: BufferPool | None = None,
-                     out: torch.Tensor | None = None) -> PendingGather:
+                     pool: BufferPool | None = None) -> PendingGather:
     """Copy this rank's shards (cast to `dtype`) into one flat input and start the all-gather.
 
     With a separate gather `stream`, copy-in and the collective run there so they overlap with
     compute; the stream first waits for the compute stream (the optimizer may just have written
-    the shards). `out`, if given, is the flat output to gather into instead of a pool buffer.
+    the shards).
     """
     stream = stream if stream is not None else backend.current_stream(device)
     stream.wait_stream(backend.current_stream(device))
     with backend.use_stream(stream):
         pool = pool or _NO_POOL
-        row = sum(p.shard_numel for p in params)
-        if out is None:
-            out = pool.take(group.size * row, dtype, device)
+        sizes = row_sizes(params)
+        row = sum(sizes)
+        out = pool.take(group.size * row, dtype, device)
         # Copy-in straight into this rank's row of the output (an in-place all-gather): no
         # separate input buffer, one copy fewer.
         inp = out[group.rank * row:(group.rank + 1) * row]
-        for p, at in zip(params, column_offsets(params)):
-            inp[at:at + p.shard_numel].copy_(p.sharded.detach(), non_blocking=True)
+        with trace_range("shardkit::copy_in"):
+            copy_in(params, inp, sizes)
         if stats is not None:
             stats.all_gather(inp.numel() * inp.element_size(), group.size)
-        work = backend.all_gather_into_tensor(out, inp, group, async_op=async_op)
+        with trace_range("shardkit::all_gather"):
+            work = backend.all_gather_into_tensor(out, inp, group, async_op=async_op)
         event = backend.new_event()
         event.record(stream)
     return PendingGather(work, out, inp, event)
 
 
-def copy_out(params: Sequence[ShardedParam], output: torch.Tensor, targets: Sequence[torch.Tensor],
-             group_size: int) -> None:
-    """Copy each parameter's real elements from the gathered rows into its full-shape target."""
+def copy_in(params: Sequence[ShardedParam], inp: torch.Tensor, sizes: Sequence[int]) -> None:
+    """Cast and copy every shard into its columns of `inp` in one fused (foreach) copy."""
+    shards = [p.sharded.detach() for p in params]
+    if len(shards) == 1:
+        inp.copy_(shards[0])
+        return
+    # One foreach copy casts to the row's dtype on the way: the unit is cast once, not per
+    # parameter through temporaries.
+    torch._foreach_copy_(list(torch.split(inp, sizes)), shards)
+
+
+def copy_out(params: Sequence[ShardedParam], output: torch.Tensor,
+             targets: Sequence[torch.Tensor], group_size: int) -> None:
+    """Scatter the gathered rows into each parameter's padded flat target (one fused copy).
+
+    Each target holds `padded_numel` elements, i.e. (group_size, shard_numel) rank-major, exactly
+    the columns of the parameter in every row, so padding lands in the targets' unused tail.
+    """
     rows = output.view(group_size, -1)
-    for p, at, target in zip(params, column_offsets(params), targets):
-        flat = target.view(-1)
-        for r in range(group_size):
-            n = p.rank_valid(r)
-            if n:
-                flat[r * p.shard_numel:r * p.shard_numel + n].copy_(rows[r, at:at + n])
+    outs = [t.view(group_size, -1) for t in targets]
+    with trace_range("shardkit::copy_out"):
+        if len(outs) == 1:
+            outs[0].copy_(rows)
+        else:
+            torch.split_with_sizes_copy(rows, row_sizes(params), dim=1, out=outs)
 
 
 def gather_full(params: Sequence[ShardedParam], dtype: torch.dtype, device: torch.device,
@@ -99,9 +111,11 @@ def gather_full(params: Sequence[ShardedParam], dtype: torch.dtype, device: torc
     """Return fresh full tensors (original shapes, `dtype`) of `params`; synchronous."""
     pending = start_all_gather(params, dtype, device, group, backend, stats, async_op=False)
     pending.wait(backend, device)  # fresh buffers (no pool): the caller may keep views
-    fulls = [torch.empty(p.full_shape, dtype=dtype, device=device) for p in params]
-    copy_out(params, pending.output, fulls, group.size)
-    return fulls
+    flats = [torch.empty(p.padded_numel, dtype=dtype, device=device) for p in params]
+    copy_out(params, pending.output, flats, group.size)
+    # A padded buffer would drag its tail into whatever keeps the tensor (a saved file).
+    return [f.view(p.full_shape) if p.numel == p.padded_numel
+            else f[:p.numel].clone().view(p.full_shape) for p, f in zip(params, flats)]
 
 
 def divide_factors(world: int, dtype: torch.dtype) -> tuple[float, float]:
@@ -126,24 +140,31 @@ class PendingReduce:
     input: torch.Tensor  # kept alive until the collective finished reading it
     post_divide: float
     event: Any = None  # recorded on the reduce stream after the collective was queued
-    pooled: bool = True  # whether `input` came from the buffer pool (else it is a dead grad)
 
 
 def pack_grads(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | None],
                dtype: torch.dtype, device: torch.device, group_size: int, pre_divide: float,
                pool: BufferPool | None = None) -> torch.Tensor:
-    """Copy full gradients (zeros where None) into the (group_size, row) reduce-scatter input."""
+    """Copy full gradients (zeros where None) into the (group_size, row) reduce-scatter input.
+
+    One `_chunk_cat` casts to `dtype`, splits each grad into its per-rank shards, zero-pads them
+    and lays them out rank-major: the whole unit in one kernel where the device has one.
+    """
     pool = pool or _NO_POOL
     row = sum(p.shard_numel for p in params)
     inp = pool.take(group_size * row, dtype, device).view(group_size, row)
-    for p, at, grad in zip(params, column_offsets(params), grads):
-        flat = grad.reshape(-1) if grad is not None else None
-        for r in range(group_size):
-            n = p.rank_valid(r) if flat is not None else 0
-            if n:
-                inp[r, at:at + n].copy_(flat[r * p.shard_numel:r * p.shard_numel + n])
-            if n < p.shard_numel:  # padding (or a missing grad) must reduce as zeros
-                inp[r, at + n:at + p.shard_numel].zero_()
+    chunks = []
+    for p, grad in zip(params, grads):
+        if grad is None:  # an unused parameter reduces as zeros
+            chunks.append(torch.zeros(p.padded_numel, dtype=dtype, device=device))
+            continue
+        flat = grad.reshape(-1)
+        if p.numel and -(-p.numel // group_size) == p.shard_numel:
+            chunks.append(flat)  # _chunk_cat pads the last shards exactly as the layout does
+        else:  # aligned shards are wider than _chunk_cat's ceil(numel / group): pad by hand
+            chunks.append(torch.nn.functional.pad(flat, (0, p.padded_numel - p.numel)))
+    with trace_range("shardkit::pack_grads"):
+        torch._chunk_cat(chunks, dim=0, num_chunks=group_size, out=inp)
     if pre_divide != 1.0:
         inp.div_(pre_divide)
     return inp
@@ -151,8 +172,7 @@ def pack_grads(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | No
 
 def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, device: torch.device,
                          group: Group, backend: Backend, stats: CommStats | None,
-                         post_divide: float, stream: Any = None,
-                         pooled: bool = True) -> PendingReduce:
+                         post_divide: float, stream: Any = None) -> PendingReduce:
     """Start the sum reduce-scatter of a packed input; this rank's row lands in the output."""
     # Packing ran on the compute stream (where the grads were made); the collective runs on the
     # reduce stream so the next unit's backward can proceed.
@@ -163,10 +183,12 @@ def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, devi
         out = torch.empty(inp.shape[1], dtype=inp.dtype, device=device)
         if stats is not None:
             stats.reduce_scatter(out.numel() * out.element_size(), group.size)
-        work = backend.reduce_scatter_tensor(out, inp.view(-1), group, op="sum", async_op=True)
+        with trace_range("shardkit::reduce_scatter"):
+            work = backend.reduce_scatter_tensor(out, inp.view(-1), group, op="sum",
+                                                 async_op=True)
         event = backend.new_event()
         event.record(stream)
-    return PendingReduce(list(params), work, out, inp, post_divide, event, pooled)
+    return PendingReduce(list(params), work, out, inp, post_divide, event)
 
 
 def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backend,
@@ -185,7 +207,13 @@ def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backen
         backend.all_reduce(out, replica, op="sum").wait()
     if pending.post_divide != 1.0:
         out.div_(pending.post_divide)
-    if pool is not None and pending.pooled:
+    if pool is not None:
         pool.give(pending.input)
-    for p, at in zip(pending.params, column_offsets(pending.params)):
-        p.accumulate_grad(out[at:at + p.shard_numel])
+    params = pending.params
+    # Cast (and move, with cpu_offload) the whole row once, then hand out views of it.
+    masters = {(p.sharded.dtype, p.sharded.device) for p in params}
+    if len(masters) == 1:
+        dtype, dev = masters.pop()
+        out = out.to(device=dev, dtype=dtype)
+    for p, grad in zip(params, torch.split(out, row_sizes(params))):
+        p.accumulate_grad(grad)

@@ -8,6 +8,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .state import ShardState
+from .trace import trace_range
 from .unit import ShardUnit
 
 
@@ -52,55 +53,61 @@ def _route_through_post_backward(unit: ShardUnit, args: tuple, kwargs: dict) -> 
 
 def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict):
     """Gather the unit (waiting on a prefetch if one is in flight) and prefetch the next ones."""
-    st: ShardState = unit.state
-    if unit is st.root_unit:
-        st.on_root_pre_forward()
-    st.record_pre_forward(unit)
-    unit.wait_for_unshard()
-    unit.register(unsharded=True)
-    if st.order_recorded:
-        st.prefetch_after(unit, st.forward_order, skip_done=False)
-    mp = st.config.mixed_precision
-    if mp.buffer_dtype is not None:
-        unit.cast_buffers(mp.buffer_dtype)
-    if mp.param_dtype is not None and mp.cast_forward_inputs:
-        args, kwargs = _cast_inputs(args, kwargs, mp.param_dtype)
-    if torch.is_grad_enabled():
-        args, kwargs = _route_through_post_backward(unit, args, kwargs)
-    return args, kwargs
+    with trace_range(unit.trace_names["pre_forward"]):
+        st: ShardState = unit.state
+        if unit is st.root_unit:
+            st.on_root_pre_forward()
+        st.record_pre_forward(unit)
+        unit.wait_for_unshard()
+        unit.register(unsharded=True)
+        if st.order_recorded:
+            st.prefetch_after(unit, st.forward_order, skip_done=False)
+        mp = st.config.mixed_precision
+        if mp.buffer_dtype is not None:
+            unit.cast_buffers(mp.buffer_dtype)
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = _cast_inputs(args, kwargs, mp.param_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = _route_through_post_backward(unit, args, kwargs)
+        return args, kwargs
 
 
 def post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
     """Put the sharded params back, free the gathered ones (FULL_SHARD), hook the outputs."""
-    st: ShardState = unit.state
-    st.record_post_forward(unit)
-    unit.restore_buffers()
-    if not st.keep_unsharded:
-        unit.register(unsharded=False)
-        if st.config.reshard_after_forward:
-            unit.reshard()
-    if torch.is_grad_enabled():
-        tensors = [t for t in tree_flatten(output)[0]
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            unit.needs_post_backward = True
-            for t in tensors:
-                t.register_hook(lambda grad, u=unit: _pre_backward(u))
-    if unit is st.root_unit:
-        st.on_root_post_forward()
-    return output
+    with trace_range(unit.trace_names["post_forward"]):
+        st: ShardState = unit.state
+        st.record_post_forward(unit)
+        unit.restore_buffers()
+        if not st.keep_unsharded:
+            unit.register(unsharded=False)
+            if st.config.reshard_after_forward:
+                unit.reshard()
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0]
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                unit.needs_post_backward = True
+                for t in tensors:
+                    t.register_hook(lambda grad, u=unit: _pre_backward(u))
+        if unit is st.root_unit:
+            st.on_root_post_forward()
+        return output
 
 
 def _pre_backward(unit: ShardUnit) -> None:
     st = unit.state
     st.queue_finalizer()
     if not unit.backward_started:
-        unit.backward_started = True
-        unit.wait_for_unshard()
-        st.prefetch_after(unit, st.backward_order(), skip_done=True)
-        # Backward holds the gathered params and their full grads at once; idle kept buffers on
-        # top of that would raise the peak, so backward allocates afresh (forward still reuses).
-        st.pool.clear()
+        with trace_range(unit.trace_names["pre_backward"]):
+            unit.backward_started = True
+            unit.wait_for_unshard()
+            # Activation checkpointing recomputes the forward from the module's parameters.
+            unit.register(unsharded=True)
+            st.prefetch_after(unit, st.backward_order(), skip_done=True)
+            # Backward holds the gathered params and their full grads at once; idle kept
+            # buffers on top of that would raise the peak, so backward allocates afresh
+            # (forward still reuses).
+            st.pool.clear()
 
 
 def install(unit: ShardUnit) -> list:

@@ -19,12 +19,6 @@ from ..backend import Backend
 from ..handles import Group
 
 
-# Parameters at least this large get their own collectives straight into / out of their padded
-# flat storage: for them the copy between the flat bucket and the parameter costs as much as the
-# collective, while one more small collective per parameter costs next to nothing.
-DIRECT_MIN_NUMEL = 1 << 20
-
-
 class ShardedParam:
     """Per-parameter state: names, shapes, the owned shard and the (re)gathered full tensor."""
 
@@ -52,18 +46,15 @@ class ShardedParam:
         self.is_meta = orig.device.type == "meta"
         if not self.is_meta:
             self.load_full(orig.detach())
-        # A direct parameter's unsharded tensor is a view of its padded flat storage, which is
-        # exactly one all-gather output (rank-major shards of one parameter); freeing and
-        # re-allocating that storage keeps both views (and autograd's saved ones) valid.
-        self.direct = (backend.capabilities.supports_storage_resize
-                       and self.numel >= DIRECT_MIN_NUMEL)
-        flat = torch.empty(self.padded_numel if self.direct else 0,
-                           dtype=compute_dtype, device=compute_device)
-        full = (flat[:self.numel].view(self.full_shape) if self.direct
-                else torch.empty(self.full_shape, dtype=compute_dtype, device=compute_device))
-        self.unsharded = nn.Parameter(full, requires_grad=orig.requires_grad)
+        # The unsharded tensor is a view of a padded flat buffer laid out exactly like the
+        # parameter's columns of an all-gather output (rank-major shards), so copy-out is one
+        # fused split for the whole unit. Freeing and re-allocating the buffer's storage keeps
+        # both views (and the ones autograd saved) valid.
+        flat = torch.empty(self.padded_numel, dtype=compute_dtype, device=compute_device)
+        self.unsharded = nn.Parameter(flat[:self.numel].view(self.full_shape),
+                                      requires_grad=orig.requires_grad)
         # `.data`: a separate version counter, so re-gathering for backward does not look like
-        # an in-place edit of the tensor autograd saved in forward (as copy-out into .data did).
+        # an in-place edit of the tensor autograd saved in forward.
         self.unsharded_flat = flat.data
         self.free_unsharded()
 
@@ -101,21 +92,21 @@ class ShardedParam:
 
     # ---- the gathered full tensor ------------------------------------------------------------
     def alloc_unsharded(self) -> None:
-        """Give the unsharded parameter memory for its full shape (values are filled by copy-out)."""
-        if self.direct:
+        """Give the padded flat buffer (and so the unsharded parameter) memory; copy-out fills it."""
+        if self._backend.capabilities.supports_storage_resize:
             self._backend.alloc_storage(self.unsharded_flat)  # the padded size, not just numel
-        elif self._backend.capabilities.supports_storage_resize:
-            self._backend.alloc_storage(self.unsharded)
         else:
-            # No storage to resize (lazy tensors): swap in a fresh tensor under the same Parameter.
-            self.unsharded.data = torch.empty(self.full_shape, dtype=self.compute_dtype,
+            # No storage to resize (lazy tensors): swap in a fresh buffer under the same Parameter.
+            self.unsharded_flat = torch.empty(self.padded_numel, dtype=self.compute_dtype,
                                               device=self.compute_device)
+            self.unsharded.data = self.unsharded_flat[:self.numel].view(self.full_shape)
 
     def free_unsharded(self) -> None:
         """Drop the unsharded parameter's memory while keeping the object autograd refers to."""
         if self._backend.capabilities.supports_storage_resize:
-            self._backend.free_storage(self.unsharded)
+            self._backend.free_storage(self.unsharded_flat)
         else:
+            self.unsharded_flat = torch.empty(0, dtype=self.compute_dtype, device=self.compute_device)
             self.unsharded.data = torch.empty(0, dtype=self.compute_dtype, device=self.compute_device)
 
     def take_unsharded_grad(self) -> torch.Tensor | None:

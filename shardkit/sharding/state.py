@@ -12,6 +12,7 @@ from .buffers import BufferPool
 from .collectives import PendingReduce
 from .comm_stats import CommStats
 from .policies import ShardConfig
+from .trace import trace_range
 from .unit import ShardUnit
 
 
@@ -116,6 +117,10 @@ class ShardState:
 
     def post_backward(self, unit: ShardUnit) -> None:
         """Reduce one unit's grads (unless in no_sync) and reshard it."""
+        with trace_range(unit.trace_names["post_backward"]):
+            self._post_backward(unit)
+
+    def _post_backward(self, unit: ShardUnit) -> None:
         unit.needs_post_backward = False
         # Free the gathered params first: the reduce-scatter input then takes their place in
         # memory instead of adding to it (the grads are separate tensors).

@@ -10,6 +10,7 @@ from torch import nn
 from .collectives import (PendingGather, PendingReduce, copy_out, divide_factors, finish_reduce,
                           pack_grads, start_all_gather, start_reduce_scatter)
 from .param import ShardedParam
+from .trace import trace_range
 
 if TYPE_CHECKING:
     from .state import ShardState
@@ -44,6 +45,10 @@ class ShardUnit:
         self.forward_uses = 0  # forward calls with grad-requiring inputs whose backward is due
         self.needs_post_backward = False
         self.backward_started = False  # pre-backward ran in this backward pass
+        # Profiler range names, built once (formatting them per call would cost on the hot path).
+        self.trace_names = {k: f"shardkit::{k}[{self.name}]"
+                            for k in ("pre_forward", "post_forward", "pre_backward",
+                                      "post_backward", "unshard", "wait_unshard", "reduce")}
 
     def __repr__(self) -> str:
         return f"<ShardUnit {self.name} params={len(self.params)}>"
@@ -60,20 +65,12 @@ class ShardUnit:
             return
         st = self.state
         async_op = async_op and st.async_collectives
-        for dtype, params in self.gather_buckets.items():
-            packed = [p for p in params if not p.direct]
-            for p in params:
-                if p.direct:  # gathered straight into its own storage: no copy-out
-                    p.alloc_unsharded()
-                    pending = start_all_gather([p], dtype, st.device, st.shard_group, st.backend,
-                                               st.stats, async_op=async_op,
-                                               stream=st.gather_stream, out=p.unsharded_flat)
-                    self.pending.append(([p], pending))
-            if packed:
-                pending = start_all_gather(packed, dtype, st.device, st.shard_group, st.backend,
+        with trace_range(self.trace_names["unshard"]):
+            for dtype, params in self.gather_buckets.items():
+                pending = start_all_gather(params, dtype, st.device, st.shard_group, st.backend,
                                            st.stats, async_op=async_op,
                                            stream=st.gather_stream, pool=st.pool)
-                self.pending.append((packed, pending))
+                self.pending.append((params, pending))
 
     def wait_for_unshard(self) -> None:
         """Make the unsharded params hold the gathered values (issuing the gather if needed)."""
@@ -82,15 +79,14 @@ class ShardUnit:
         if not self.pending:
             self.unshard(async_op=False)
         st = self.state
-        for params, pending in self.pending:
-            pending.wait(st.backend, st.device)
-            if params[0].direct:
-                continue
-            for p in params:
-                p.alloc_unsharded()
-            copy_out(params, pending.output, [p.unsharded.data for p in params],
-                     st.shard_group.size)
-            st.pool.give(pending.output)
+        with trace_range(self.trace_names["wait_unshard"]):
+            for params, pending in self.pending:
+                pending.wait(st.backend, st.device)
+                for p in params:
+                    p.alloc_unsharded()
+                copy_out(params, pending.output, [p.unsharded_flat for p in params],
+                         st.shard_group.size)
+                st.pool.give(pending.output)
         self.pending = []
         if st.needs_compiler_barrier:
             st.backend.compiler_barrier([p.unsharded for p in self.params])
@@ -98,12 +94,9 @@ class ShardUnit:
 
     def reshard(self) -> None:
         """Free the gathered params (and drop a prefetched gather nobody used)."""
-        for params, pending in self.pending:
+        for _params, pending in self.pending:
             pending.wait(self.state.backend, self.state.device)  # buffers must outlive it
-            if params[0].direct:
-                params[0].free_unsharded()
-            else:
-                self.state.pool.give(pending.output)
+            self.state.pool.give(pending.output)
         self.pending = []
         if self.is_unsharded:
             if self.state.needs_compiler_barrier:
@@ -124,32 +117,18 @@ class ShardUnit:
         """Start the reduce-scatter of every trainable param's unsharded grad; return the handles."""
         st = self.state
         started = []
-        for dtype, params in self.reduce_buckets.items():
-            pre, post = divide_factors(st.dp_size, dtype)
-            packed, grads = [], []
-            for p in params:
-                grad = p.take_unsharded_grad()
-                if (p.direct and grad is not None and grad.dtype == dtype
-                        and p.numel == p.padded_numel and grad.is_contiguous()):
-                    # Unpadded and contiguous, the grad already is the (group, row) input.
-                    inp = grad.view(st.shard_group.size, p.shard_numel)
-                    if pre != 1.0:
-                        inp.div_(pre)
-                    started.append(start_reduce_scatter([p], inp, st.device, st.shard_group,
-                                                         st.backend, st.stats, post,
-                                                         stream=st.reduce_stream, pooled=False))
-                else:
-                    packed.append(p)
-                    grads.append(grad)
-            if not packed:
-                continue
-            inp = pack_grads(packed, grads, dtype, st.device, st.shard_group.size, pre, st.pool)
-            # The full-size grads are dead once packed: free them before the collective runs
-            # (it may allocate its own temporaries).
-            del grads
-            started.append(start_reduce_scatter(packed, inp, st.device, st.shard_group,
-                                                 st.backend, st.stats, post,
-                                                 stream=st.reduce_stream))
+        with trace_range(self.trace_names["reduce"]):
+            for dtype, params in self.reduce_buckets.items():
+                pre, post = divide_factors(st.dp_size, dtype)
+                grads = [p.take_unsharded_grad() for p in params]
+                inp = pack_grads(params, grads, dtype, st.device, st.shard_group.size, pre,
+                                 st.pool)
+                # The full-size grads are dead once packed: free them before the collective
+                # runs (it may allocate its own temporaries).
+                del grads
+                started.append(start_reduce_scatter(params, inp, st.device, st.shard_group,
+                                                     st.backend, st.stats, post,
+                                                     stream=st.reduce_stream))
         return started
 
     def finish(self, pending: PendingReduce) -> None:
