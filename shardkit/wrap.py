@@ -1,4 +1,5 @@
-"""Auto-wrap policies: which submodules become their own sharding unit.
+"""Auto-wrap policies (which submodules become their own sharding unit), and per-layer helpers
+that compose with them: torch.compile per layer and activation checkpointing per layer.
 
 A policy is any callable `policy(module) -> bool`. The classes below also look at where the module
 sits (its parent) and how many parameters nested units have not already claimed, which is why the
@@ -8,8 +9,10 @@ Modules are visited bottom-up; the root module is always a unit and claims what 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable
 
+import torch
 from torch import nn
 
 from .errors import ShardkitError
@@ -108,4 +111,50 @@ def as_policy(policy: WrapPolicy | Callable[[nn.Module], bool] | None) -> WrapPo
                         f"bool, got {type(policy).__name__}")
 
 
-__all__ = ["WrapPolicy", "as_policy", "module_list", "size_based", "transformer_layers"]
+def _instances(model: nn.Module, classes: Iterable[type] | type, what: str) -> list[nn.Module]:
+    classes = TransformerLayers(classes).classes  # validates: nn.Module subclasses only
+    found = [m for m in model.modules() if isinstance(m, classes)]
+    if not found:
+        names = ", ".join(c.__name__ for c in classes)
+        raise ShardkitError(f"{what}: the model has no instance of {names}; HINT: pass the class "
+                            f"of the repeated layer, e.g. {{type(model.layers[0])}}")
+    return found
+
+
+def compile_layers(model: nn.Module, classes: Iterable[type] | type,
+                   **compile_kwargs) -> list[nn.Module]:
+    """torch.compile the forward of every instance of `classes` (the engine's hooks stay eager).
+
+    Call it after shardkit.shard() with the classes that are units (as torchtitan compiles each
+    block): the gather before and the reduce after a layer run in the module hooks, outside the
+    compiled region, so the compiled graph sees plain full-shape parameters and does not
+    recompile between steps. Returns the modules compiled.
+    """
+    layers = _instances(model, classes, "compile_layers")
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, **compile_kwargs)
+    return layers
+
+
+def _checkpointed(forward: Callable, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_layers(model: nn.Module, classes: Iterable[type] | type) -> list[nn.Module]:
+    """Recompute every instance of `classes` in backward instead of saving its activations.
+
+    Non-reentrant torch.utils.checkpoint around each layer's forward. Use it on units (or
+    modules inside one unit), not on a module that contains other units: the engine exposes a
+    unit's gathered parameters again before its backward, which is when the recomputation reads
+    them. Works before or after shardkit.shard(). Returns the modules wrapped.
+    """
+    layers = _instances(model, classes, "checkpoint_layers")
+    for layer in layers:
+        layer.forward = functools.partial(_checkpointed, layer.forward)
+    return layers
+
+
+__all__ = ["WrapPolicy", "as_policy", "checkpoint_layers", "compile_layers", "module_list",
+           "size_based", "transformer_layers"]

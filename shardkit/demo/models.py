@@ -1,4 +1,5 @@
-"""The seed tutorial's MNIST CNNs, built from code: ShallowNet (~1.2M params) and DeepNet (~94M)."""
+"""Demo and benchmark models: the seed tutorial's MNIST CNNs (ShallowNet ~1.2M, DeepNet ~94M params),
+an MLP, and a GPT-2-style decoder (GPT) for transformer benchmarks and tests."""
 
 from __future__ import annotations
 
@@ -66,7 +67,52 @@ class MLP(nn.Module):
         return self.fc4(x)
 
 
-MODELS = {"shallow": ShallowNet, "deep": DeepNet, "mlp": MLP}
+class GPTBlock(nn.Module):
+    """Pre-norm decoder block: causal self-attention and a 4x GELU MLP, GPT-2's layout."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the block's output for hidden states of shape (batch, tokens, dim)."""
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """GPT-2-style language model (tied input/output embedding); defaults are GPT-2 medium's shape."""
+
+    def __init__(self, vocab: int = 50257, context: int = 1024, dim: int = 1024, layers: int = 24,
+                 heads: int = 16) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Return next-token logits of shape (batch, tokens, vocab) for token ids (batch, tokens)."""
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln_f(x), self.wte.weight)
+
+
+MODELS = {"shallow": ShallowNet, "deep": DeepNet, "mlp": MLP,
+          "gpt2-medium": GPT, "gpt2-small": lambda: GPT(dim=768, layers=12, heads=12),
+          "gpt-tiny": lambda: GPT(vocab=128, context=32, dim=32, layers=2, heads=4)}
 
 
 def build_model(name: str) -> nn.Module:
