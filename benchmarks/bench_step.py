@@ -1,14 +1,26 @@
 """Step-time / memory / traffic benchmark: shardkit against torch FSDP2, FSDP1, DDP and one process.
 
-Every mode runs in fresh processes (one subprocess per mode, which spawns its ranks), on the same
-model, per-rank batch, world size and optimizer (Adam), with random 1x28x28 inputs.
+Two phases, both on the same model, per-rank batch, world size and optimizer (Adam):
+
+- **memory** (`--isolated`, on by default): every mode in fresh processes (one subprocess per
+  mode, which spawns its ranks) for a few steps; peak host RSS per rank and, on an accelerator,
+  peak device memory. A fresh process per mode keeps one mode's peak out of another's.
+- **time** (`--interleave`, on by default): every mode built in the *same* rank processes and
+  stepped round-robin (`--chunk` steps of each mode per round, the order rotating), so slow and
+  fast phases of a noisy machine hit every mode alike and the ratios hold. Per-step time comes
+  from device events on an accelerator (wall clock on the host), median over the timed steps.
+  `--profile DIR` adds a torch.profiler pass per mode: kernels per step, host (CPU) time per step
+  and the time in each `shardkit::` range.
 
     python benchmarks/bench_step.py --model mlp --steps 30 --warmup 3
     python benchmarks/bench_step.py --model deep --steps 10 --warmup 2 --modes shardkit-full,fsdp2,ddp
+    python benchmarks/bench_step.py --model gpt2-medium --device cuda --dtype bf16 --nproc 1 \\
+        --batch 8 --seq 512 --modes shardkit-full,fsdp2,fsdp1,single --steps 40 --profile prof/
 
-Prints a markdown table (median seconds per step, ratios against FSDP2 and DDP, peak RSS per rank,
-bytes sent per rank per step) and writes a PNG plot. Bytes are measured by shardkit.comm_stats for
-shardkit and computed from ring-collective formulas for the others.
+Models: mlp / deep / shallow (1x28x28 inputs, 10 classes) and gpt2-medium / gpt2-small / gpt-tiny
+(token ids; a transformers GPT2LMHeadModel when transformers is installed, else shardkit's
+in-repo GPT of the same shape). Units are one per Linear/Conv (CNN/MLP) or one per transformer
+block (GPT), for every engine.
 """
 
 from __future__ import annotations
@@ -34,38 +46,85 @@ SHARDKIT_MODES = {
 }
 TORCH_MODES = ("fsdp2", "fsdp1", "ddp", "single")
 ALL_MODES = tuple(SHARDKIT_MODES) + TORCH_MODES
+# (layers, width, heads, vocabulary, context) of the GPT models.
+GPT_SHAPES = {"gpt2-medium": (24, 1024, 16, 50257, 1024), "gpt2-small": (12, 768, 12, 50257, 1024),
+              "gpt-tiny": (2, 32, 4, 128, 32)}
+GPT_MODELS = tuple(GPT_SHAPES)
 MB = 1024 * 1024
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-# ---- one rank ------------------------------------------------------------------------------------
-def _leaf_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+# ---- models and data -----------------------------------------------------------------------------
+def build(name: str) -> tuple[nn.Module, tuple[type, ...]]:
+    """The model and the module classes that become units (one per layer / block)."""
+    if name not in GPT_MODELS:
+        from shardkit.demo.models import build_model
+
+        return build_model(name), (nn.Linear, nn.Conv2d)
+    layers, dim, heads, vocab, context = GPT_SHAPES[name]
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        from shardkit.demo.models import GPT
+
+        model = GPT(vocab=vocab, context=context, dim=dim, layers=layers, heads=heads)
+        return model, (type(model.blocks[0]),)
+    cfg = GPT2Config(vocab_size=vocab, n_positions=context, n_embd=dim, n_layer=layers,
+                     n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(cfg)  # SDPA attention: the default where torch has it
+    return model, (type(model.transformer.h[0]),)
 
 
-def _wrap(model: nn.Module, mode: str, ctx, prefetch_off: bool = False) -> nn.Module:
-    """Apply the distributed wrapper `mode` names; every wrapper unit is one Linear/Conv layer."""
+def make_batches(name: str, model: nn.Module, batch: int, seq: int, rank: int, device) -> list:
+    """Four fixed (input, target) batches for this rank."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    if name in GPT_MODELS:
+        vocab = model.config.vocab_size if hasattr(model, "config") else model.wte.num_embeddings
+        ids = [torch.randint(0, vocab, (batch, seq + 1), generator=gen) for _ in range(4)]
+        return [(i[:, :-1].to(device), i[:, 1:].to(device)) for i in ids]
+    return [(torch.randn(batch, 1, 28, 28, generator=gen).to(device),
+             torch.randint(0, 10, (batch,), generator=gen).to(device)) for _ in range(4)]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the model's logits (per token for language models)."""
+    out = model(x)
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+# ---- wrapping --------------------------------------------------------------------------------------
+def wrap(model: nn.Module, mode: str, ctx, unit_classes: tuple, dtype: torch.dtype) -> nn.Module:
+    """Apply the distributed wrapper `mode` names; units are instances of `unit_classes`."""
+    low = dtype != torch.float32
     if mode in SHARDKIT_MODES:
         import shardkit
 
         strategy, prefetch = SHARDKIT_MODES[mode]
         kwargs = {"hybrid_group_size": max(1, ctx.world_size // 2)} if strategy == "HYBRID_SHARD" else {}
+        if low:
+            kwargs["mixed_precision"] = shardkit.MixedPrecision(param_dtype=dtype,
+                                                                reduce_dtype=torch.float32)
         return shardkit.shard(model, strategy=shardkit.ShardingStrategy[strategy],
-                              auto_wrap_policy=shardkit.wrap.transformer_layers({nn.Linear, nn.Conv2d}),
+                              auto_wrap_policy=shardkit.wrap.transformer_layers(unit_classes),
                               prefetch=prefetch, backend=ctx.backend, **kwargs)
     if mode == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        for layer in _leaf_layers(model):
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if low else None
+        kw = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
+        for layer in [m for m in model.modules() if isinstance(m, unit_classes)]:
+            fully_shard(layer, **kw)
+        return fully_shard(model, **kw)
     if mode == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear, nn.Conv2d}),
-                    device_id=ctx.device, use_orig_params=True)
+        mp = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if low else None
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(set(unit_classes)),
+                    device_id=ctx.device, use_orig_params=True, mixed_precision=mp)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -73,9 +132,16 @@ def _wrap(model: nn.Module, mode: str, ctx, prefetch_off: bool = False) -> nn.Mo
     return model
 
 
-def _formula_bytes(mode: str, num_params: int, world: int) -> int:
-    """Ring-collective bytes one rank sends per step for the torch modes (fp32 everywhere)."""
-    p = num_params * 4
+def compile_blocks(model: nn.Module, unit_classes: tuple, backend: str) -> None:
+    """torch.compile each unit's forward (after wrapping, so the engines' hooks stay eager)."""
+    import shardkit
+
+    shardkit.wrap.compile_layers(model, unit_classes, backend=backend)
+
+
+def _formula_bytes(mode: str, num_params: int, world: int, elem: int = 4) -> int:
+    """Ring-collective bytes one rank sends per step for the torch modes."""
+    p = num_params * elem
     if mode in ("fsdp2", "fsdp1"):
         # all-gather in forward, again in backward (resharded after forward), one reduce-scatter.
         return 3 * (world - 1) * p // world
@@ -90,202 +156,336 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def bench_rank(rank: int, mode: str, args_dict: dict) -> dict:
-    """Build, wrap and time `steps` training steps on this rank; return its figures."""
+# ---- one mode on one rank ------------------------------------------------------------------------
+class Runner:
+    """One mode's model, optimizer and data on this rank, and a way to time one step of it."""
+
+    def __init__(self, mode: str, a: argparse.Namespace, ctx, rank: int) -> None:
+        self.mode, self.ctx = mode, ctx
+        self.device = ctx.device
+        self.dtype = DTYPES[a.dtype]
+        torch.manual_seed(0)
+        model, classes = build(a.model)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        model = model.to(self.device)
+        self.batches = make_batches(a.model, model, a.batch, a.seq, rank, self.device)
+        self.model = wrap(model, mode, ctx, classes, self.dtype)
+        if a.compile:
+            compile_blocks(self.model, classes, a.compile)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.autocast = mode == "single" and self.dtype != torch.float32
+        self.i = 0
+        self.timed: list[float] = []  # seconds per step
+        self.host: list[float] = []  # seconds until the host had queued the whole step
+
+    def step(self) -> None:
+        """zero_grad + forward + backward + optimizer step."""
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
+            loss = loss_of(self.model, x, y)
+        loss.backward()
+        self.opt.step()
+        self.ctx.backend.step_boundary()
+
+    def timed_steps(self, n: int) -> None:
+        """Run `n` steps, recording each one's device time (events) and host time."""
+        be, dev = self.ctx.backend, self.device
+        streams = be.capabilities.has_streams
+        for _ in range(n):
+            be.synchronize(dev)
+            t0 = time.perf_counter()
+            if streams:
+                start, end = be.new_event(), be.new_event()
+                start = type(start)(enable_timing=True)
+                end = type(end)(enable_timing=True)
+                start.record(be.current_stream(dev))
+            self.step()
+            self.host.append(time.perf_counter() - t0)
+            if streams:
+                end.record(be.current_stream(dev))
+                end.synchronize()
+                self.timed.append(start.elapsed_time(end) / 1000)
+            else:
+                be.synchronize(dev)
+                self.timed.append(time.perf_counter() - t0)
+
+
+def _profile(runner: Runner, steps: int, out_dir: str, rank: int) -> dict:
+    """Kernels per step, host time per step and shardkit:: range totals from torch.profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    runner.ctx.backend.synchronize(runner.device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            runner.step()
+        runner.ctx.backend.synchronize(runner.device)
+    wall = (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if e.device_type == DeviceType.CUDA)
+    ranges: dict[str, float] = {}
+    for e in events:
+        if e.key.startswith("shardkit::"):
+            key = e.key.split("[")[0]
+            ranges[key] = ranges.get(key, 0.0) + e.cpu_time_total / 1000 / steps
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        sort = "cuda_time_total" if len(acts) > 1 else "cpu_time_total"
+        with open(os.path.join(out_dir, f"{runner.mode}.txt"), "w") as f:
+            f.write(events.table(sort_by=sort, row_limit=40))
+    return {"kernels_per_step": kernels / steps, "profiled_wall_ms": wall * 1000,
+            "ranges_cpu_ms_per_step": ranges}
+
+
+def bench_rank(rank: int, modes: list[str], args_dict: dict, interleave: bool) -> dict:
+    """Build every mode on this rank; time them (round-robin if `interleave`); return figures."""
     import shardkit
-    from shardkit.demo.models import build_model, count_params
 
     a = argparse.Namespace(**args_dict)
-    ctx = shardkit.current_context() if mode != "single" else None
-    device = ctx.device if ctx is not None else torch.device("cpu")
-    world = ctx.world_size if ctx is not None else 1
-    torch.manual_seed(0)
-    model = build_model(a.model).to(device)
-    num_params = count_params(model)
-    model = _wrap(model, mode, ctx)
-    rss_after_wrap = _peak_rss()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    xs = [torch.randn(a.batch, 1, 28, 28, generator=gen).to(device) for _ in range(4)]
-    ys = [torch.randint(0, 10, (a.batch,), generator=gen).to(device) for _ in range(4)]
-    sync = ctx.backend.synchronize if ctx is not None else (lambda device=None: None)
-    step_boundary = ctx.backend.step_boundary if ctx is not None else (lambda: None)
-    times, comm = [], None
-    for i in range(a.warmup + a.steps):
-        if i == a.warmup and mode in SHARDKIT_MODES:
-            shardkit.comm_stats(model, reset=True)
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
-        loss.backward()
-        opt.step()
-        step_boundary()
-        loss.item()
-        sync(device)
-        if i >= a.warmup:
-            times.append(time.perf_counter() - t0)
-    if mode in SHARDKIT_MODES:
-        comm = shardkit.comm_stats(model)["total"] // a.steps
-        source = "measured"
+    ctx = shardkit.current_context()
+    be = ctx.backend
+    runners = {}
+    for mode in modes:
+        runners[mode] = Runner(mode, a, ctx, rank)
+        if not interleave:
+            be.reset_peak_memory(ctx.device)
+    for r in runners.values():
+        for _ in range(a.warmup):
+            r.step()
+    for mode in modes:
+        if mode in SHARDKIT_MODES:
+            shardkit.comm_stats(runners[mode].model, reset=True)
+    if interleave:
+        rounds = max(1, -(-a.steps // a.chunk))
+        for k in range(rounds):
+            order = modes[k % len(modes):] + modes[:k % len(modes)]
+            for mode in order:
+                runners[mode].timed_steps(a.chunk)
     else:
-        comm = _formula_bytes(mode, num_params, world)
-        source = "formula"
-    return {"rank": rank, "times": times, "peak_rss": _peak_rss(),
-            "rss_after_wrap": rss_after_wrap, "bytes_per_step": comm, "bytes_source": source,
-            "num_params": num_params, "world": world}
+        for r in runners.values():
+            r.timed_steps(a.steps)
+    out = {}
+    for mode, r in runners.items():
+        if mode in SHARDKIT_MODES:
+            comm, source = shardkit.comm_stats(r.model)["total"] // len(r.timed), "measured"
+        else:
+            elem = 2 if r.dtype != torch.float32 else 4
+            comm, source = _formula_bytes(mode, r.num_params, ctx.world_size, elem), "formula"
+        out[mode] = {"times": r.timed, "host": r.host, "bytes_per_step": comm,
+                     "bytes_source": source, "num_params": r.num_params,
+                     "world": ctx.world_size}
+    if not interleave:
+        mem = be.memory_stats(ctx.device)
+        out[modes[0]]["peak_rss"] = _peak_rss()
+        out[modes[0]]["peak_device"] = mem.get("peak", 0) if ctx.device.type != "cpu" else 0
+    if a.profile:
+        for mode, r in runners.items():
+            out[mode]["profile"] = _profile(r, a.profile_steps, a.profile, rank)
+    return out
 
 
-def run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
-    """Run one mode in this (fresh) process: spawn its ranks, or run inline for `single`."""
+def run_modes(modes: list[str], args: argparse.Namespace, interleave: bool) -> list[dict]:
+    """Spawn the ranks in this (fresh) process and run `modes` on them."""
     torch.set_num_threads(args.threads)
-    if mode == "single":
-        return [bench_rank(0, mode, vars(args))]
     import shardkit
 
-    return shardkit.spawn(bench_rank, args.nproc, mode, vars(args), backend=args.backend,
-                          threads_per_rank=args.threads)
+    return shardkit.spawn(bench_rank, args.nproc, modes, vars(args), interleave,
+                          backend=args.backend, threads_per_rank=args.threads)
 
 
 # ---- driver ----------------------------------------------------------------------------------------
 def _summarise(mode: str, ranks: list[dict]) -> dict:
+    rows = [r[mode] for r in ranks]
     # Steps are lock-stepped by collectives; the slowest rank's time is the step time.
-    per_step = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
-    return {"mode": mode, "sec_per_step": statistics.median(per_step),
-            "peak_rss_mb": [r["peak_rss"] / MB for r in ranks],
-            "bytes_per_step": max(r["bytes_per_step"] for r in ranks),
-            "bytes_source": ranks[0]["bytes_source"], "num_params": ranks[0]["num_params"],
-            "world": ranks[0]["world"]}
+    per_step = [max(r["times"][i] for r in rows) for i in range(len(rows[0]["times"]))]
+    host = [max(r["host"][i] for r in rows) for i in range(len(rows[0]["host"]))]
+    res = {"mode": mode, "sec_per_step": statistics.median(per_step),
+           "host_sec_per_step": statistics.median(host), "steps": len(per_step),
+           "bytes_per_step": max(r["bytes_per_step"] for r in rows),
+           "bytes_source": rows[0]["bytes_source"], "num_params": rows[0]["num_params"],
+           "world": rows[0]["world"]}
+    if "peak_rss" in rows[0]:
+        res["peak_rss_mb"] = [r["peak_rss"] / MB for r in rows]
+        res["peak_device_mb"] = max(r["peak_device"] for r in rows) / MB
+    if "profile" in rows[0]:
+        res["profile"] = rows[0]["profile"]
+    return res
 
 
-def _launch(mode: str, args: argparse.Namespace) -> dict | None:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode] + args.passthrough
+def _launch(modes: list[str], args: argparse.Namespace, interleave: bool) -> list[dict]:
+    flag = "--worker-interleave" if interleave else "--worker"
+    cmd = [sys.executable, os.path.abspath(__file__), flag, ",".join(modes)] + args.passthrough
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        print(f"[{mode}] FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
-        return None
-    res = _summarise(mode, json.loads(lines[-1][len("RESULT "):]))
-    print(f"[{mode}] {res['sec_per_step']:.3f} s/step, peak RSS "
-          f"{max(res['peak_rss_mb']):.0f} MB/rank ({time.perf_counter() - t0:.0f} s wall)",
-          file=sys.stderr, flush=True)
-    return res
+        print(f"[{','.join(modes)}] FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}",
+              file=sys.stderr)
+        return []
+    ranks = json.loads(lines[-1][len("RESULT "):])
+    rows = [_summarise(m, ranks) for m in modes]
+    for res in rows:
+        mem = (f", peak RSS {max(res['peak_rss_mb']):.0f} MB/rank, device {res['peak_device_mb']:.0f} MB"
+               if "peak_rss_mb" in res else "")
+        print(f"[{res['mode']}] {res['sec_per_step']:.4f} s/step (host {res['host_sec_per_step']:.4f})"
+              f"{mem} ({time.perf_counter() - t0:.0f} s wall)", file=sys.stderr, flush=True)
+    return rows
 
 
-def _ratio(value: float, base: float | None) -> str:
-    return f"{value / base:.2f}" if base else "-"
+def _ratio(value: float | None, base: float | None) -> str:
+    return f"{value / base:.3f}" if value and base else "-"
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """Render results as a markdown table with ratios against FSDP2 and DDP."""
+def markdown_table(rows: list[dict], mem: dict[str, dict]) -> str:
+    """Render results as a markdown table with ratios against FSDP2, FSDP1 and DDP."""
     by_mode = {r["mode"]: r for r in rows}
-    fsdp2, ddp = by_mode.get("fsdp2"), by_mode.get("ddp")
-    out = ["| mode | s/step (median) | vs FSDP2 | vs DDP | peak RSS/rank (MB) | RSS vs FSDP2 "
-           "| sent/rank/step (MB) | bytes |",
-           "|---|---|---|---|---|---|---|---|"]
+    base = {m: by_mode[m]["sec_per_step"] if m in by_mode else None for m in ("fsdp2", "fsdp1", "ddp")}
+    out = ["| mode | s/step (median) | vs FSDP2 | vs FSDP1 | vs DDP | host s/step | peak RSS/rank (MB) "
+           "| peak device (MB) | kernels/step | sent/rank/step (MB) | bytes |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        rss = max(r["peak_rss_mb"])
+        m = mem.get(r["mode"], {})
+        rss = " / ".join(f"{v:.0f}" for v in m.get("peak_rss_mb", [])) or "-"
+        dev = f"{m['peak_device_mb']:.0f}" if m.get("peak_device_mb") else "-"
+        kern = f"{r['profile']['kernels_per_step']:.0f}" if "profile" in r else "-"
         out.append(
-            f"| {r['mode']} | {r['sec_per_step']:.3f} "
-            f"| {_ratio(r['sec_per_step'], fsdp2 and fsdp2['sec_per_step'])} "
-            f"| {_ratio(r['sec_per_step'], ddp and ddp['sec_per_step'])} "
-            f"| {' / '.join(f'{m:.0f}' for m in r['peak_rss_mb'])} "
-            f"| {_ratio(rss, fsdp2 and max(fsdp2['peak_rss_mb']))} "
+            f"| {r['mode']} | {r['sec_per_step']:.4f} | {_ratio(r['sec_per_step'], base['fsdp2'])} "
+            f"| {_ratio(r['sec_per_step'], base['fsdp1'])} | {_ratio(r['sec_per_step'], base['ddp'])} "
+            f"| {r['host_sec_per_step']:.4f} | {rss} | {dev} | {kern} "
             f"| {r['bytes_per_step'] / MB:.1f} | {r['bytes_source']} |")
     return "\n".join(out)
 
 
-def target_lines(rows: list[dict]) -> list[str]:
-    """The issue's targets for shardkit FULL_SHARD, checked against this run."""
-    by_mode = {r["mode"]: r for r in rows}
-    sk, fsdp2, ddp = (by_mode.get(m) for m in ("shardkit-full", "fsdp2", "ddp"))
-    if sk is None:
-        return []
+def target_lines(rows: list[dict], mem: dict[str, dict], device: str) -> list[str]:
+    """The issue's targets (GPU or host set), checked against this run."""
+    t = {r["mode"]: r["sec_per_step"] for r in rows}
     checks = []
-    if fsdp2:
-        checks.append(("step time <= 0.8 x FSDP2", sk["sec_per_step"] / fsdp2["sec_per_step"], 0.8))
-        checks.append(("peak RSS/rank <= FSDP2", max(sk["peak_rss_mb"]) / max(fsdp2["peak_rss_mb"]), 1.0))
-    if ddp:
-        checks.append(("step time <= 1.2 x DDP", sk["sec_per_step"] / ddp["sec_per_step"], 1.2))
+
+    def time_check(name, a, b, limit):
+        if a in t and b in t:
+            checks.append((name, t[a] / t[b], limit))
+
+    def mem_check(name, a, b):
+        key = "peak_device_mb" if device != "cpu" else "peak_rss_mb"
+        va, vb = mem.get(a, {}).get(key), mem.get(b, {}).get(key)
+        if va and vb:
+            va, vb = (max(va), max(vb)) if isinstance(va, list) else (va, vb)
+            checks.append((name, va / vb, 1.0))
+
+    if device != "cpu":
+        time_check("FULL_SHARD <= 0.95 x FSDP2", "shardkit-full", "fsdp2", 0.95)
+        time_check("FULL_SHARD <= 1.0 x FSDP1", "shardkit-full", "fsdp1", 1.0)
+        mem_check("peak device memory <= FSDP2", "shardkit-full", "fsdp2")
+    else:
+        time_check("FULL_SHARD <= 0.9 x FSDP2", "shardkit-full", "fsdp2", 0.9)
+        time_check("FULL_SHARD <= 1.0 x FSDP1", "shardkit-full", "fsdp1", 1.0)
+        time_check("SHARD_GRAD_OP <= 1.25 x DDP", "shardkit-grad-op", "ddp", 1.25)
+        mem_check("peak RSS/rank <= FSDP2", "shardkit-full", "fsdp2")
     return [f"- {name}: {ratio:.3f} -> {'met' if ratio <= limit else 'MISSED'}"
             for name, ratio, limit in checks]
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
-    """Bar charts of step time and peak RSS per rank, one bar per mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = [r["mode"] for r in rows]
-    colors = ["tab:blue" if m.startswith("shardkit") else "tab:gray" for m in modes]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 2), sharey=True)
-    ax1.barh(modes, [r["sec_per_step"] for r in rows], color=colors)
-    ax1.set_xlabel("median seconds per step (lower is better)")
-    ax2.barh(modes, [max(r["peak_rss_mb"]) for r in rows], color=colors)
-    ax2.set_xlabel("peak RSS per rank, MB (lower is better)")
-    ax1.invert_yaxis()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    """Command-line flags; --worker is internal (one mode in a fresh process)."""
+    """Command-line flags; --worker / --worker-interleave are internal (modes in a fresh process)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("mlp", "deep", "shallow"), default="mlp")
+    p.add_argument("--model", choices=("mlp", "deep", "shallow") + GPT_MODELS, default="mlp")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: the cpu backend (gloo); cuda: the cuda backend (NCCL)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                   help="compute dtype: bf16 = bf16 params / fp32 reduce (autocast for 'single')")
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
+    p.add_argument("--chunk", type=int, default=2, help="steps of one mode per interleaved round")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch size")
+    p.add_argument("--seq", type=int, default=512, help="tokens per sample (GPT models)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (world size)")
-    p.add_argument("--modes", default="shardkit-full,shardkit-full-noprefetch,shardkit-grad-op,"
-                   "shardkit-grad-op-noprefetch,shardkit-no-shard,fsdp2,fsdp1,ddp,single",
+    p.add_argument("--modes", default="shardkit-full,shardkit-grad-op,fsdp2,fsdp1,ddp,single",
                    help=f"comma-separated subset of: {', '.join(ALL_MODES)}, or 'all'")
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
-    p.add_argument("--backend", default=None, help="shardkit backend (default: best available)")
-    p.add_argument("--plot", default=None, help="PNG path (default: bench_step_<model>.png)")
+    p.add_argument("--compile", default=None, metavar="BACKEND",
+                   help="torch.compile every unit's forward with this backend (e.g. inductor)")
+    p.add_argument("--no-isolated", dest="isolated", action="store_false",
+                   help="skip the fresh-process-per-mode memory phase")
+    p.add_argument("--no-interleave", dest="interleave", action="store_false",
+                   help="skip the interleaved timing phase (times come from the isolated runs)")
+    p.add_argument("--isolated-steps", type=int, default=3, help="timed steps in the memory phase")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile each mode after timing; per-mode tables written to DIR")
+    p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-interleave", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.modes = list(ALL_MODES) if args.modes == "all" else args.modes.split(",")
     unknown = sorted(set(args.modes) - set(ALL_MODES))
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {', '.join(ALL_MODES)}")
-    args.passthrough = [f"--model={args.model}", f"--steps={args.steps}",
-                        f"--warmup={args.warmup}", f"--batch={args.batch}",
-                        f"--nproc={args.nproc}", f"--threads={args.threads}"]
-    if args.backend:
-        args.passthrough.append(f"--backend={args.backend}")
+    args.backend = args.device
+    args.passthrough = [f"--model={args.model}", f"--device={args.device}", f"--dtype={args.dtype}",
+                        f"--warmup={args.warmup}", f"--chunk={args.chunk}", f"--batch={args.batch}",
+                        f"--seq={args.seq}", f"--nproc={args.nproc}", f"--threads={args.threads}",
+                        f"--profile-steps={args.profile_steps}"]
+    if args.compile:
+        args.passthrough.append(f"--compile={args.compile}")
     return args
 
 
 def main(argv=None) -> int:
-    """Run every requested mode in its own process and report."""
+    """Run the memory phase (fresh processes) and the interleaved timing phase, then report."""
     args = parse_args(argv)
-    if args.worker:
-        ranks = run_mode(args.worker, args)
+    if args.worker or args.worker_interleave:
+        interleave = bool(args.worker_interleave)
+        ranks = run_modes((args.worker_interleave or args.worker).split(","), args, interleave)
         print("RESULT " + json.dumps(ranks), flush=True)
         return 0
-    rows = [r for r in (_launch(m, args) for m in args.modes) if r is not None]
+    mem: dict[str, dict] = {}
+    isolated_rows: list[dict] = []
+    if args.isolated:
+        iso = argparse.Namespace(**vars(args))
+        iso.passthrough = args.passthrough + [f"--steps={args.isolated_steps}"]
+        for m in args.modes:
+            isolated_rows += _launch([m], iso, interleave=False)
+        mem = {r["mode"]: r for r in isolated_rows}
+    rows = isolated_rows
+    if args.interleave:
+        inter = argparse.Namespace(**vars(args))
+        inter.passthrough = args.passthrough + [f"--steps={args.steps}"]
+        if args.profile:
+            inter.passthrough.append(f"--profile={args.profile}")
+        rows = _launch(args.modes, inter, interleave=True)
     if not rows:
         return 1
     params = rows[0]["num_params"]
-    title = (f"{args.model} ({params / 1e6:.1f}M params), {args.nproc} ranks, batch {args.batch}/rank, "
-             f"Adam, {args.threads} thread(s)/rank, torch {torch.__version__}")
-    print(f"\n{title}; {args.steps} timed steps after {args.warmup} warm-up\n")
-    print(markdown_table(rows))
-    targets = target_lines(rows)
+    how = (f"interleaved in one process per rank, {args.steps} timed steps per mode in rounds of "
+           f"{args.chunk}" if args.interleave else "one fresh process per mode")
+    title = (f"{args.model} ({params / 1e6:.1f}M params) on {args.device}, {args.dtype}, "
+             f"{args.nproc} rank(s), batch {args.batch}/rank"
+             f"{f' x {args.seq} tokens' if args.model in GPT_MODELS else ''}, Adam, "
+             f"{args.threads} thread(s)/rank, torch {torch.__version__}"
+             f"{f', compiled ({args.compile})' if args.compile else ''}; {how}, "
+             f"{args.warmup} warm-up")
+    print(f"\n{title}\n")
+    print(markdown_table(rows, mem))
+    for r in rows:
+        if "profile" in r:
+            ranges = ", ".join(f"{k[10:]} {v:.2f}" for k, v in
+                               sorted(r["profile"]["ranges_cpu_ms_per_step"].items()))
+            print(f"- {r['mode']}: profiled {r['profile']['profiled_wall_ms']:.1f} ms/step, "
+                  f"{r['profile']['kernels_per_step']:.0f} kernels/step"
+                  f"{'; shardkit ranges (host ms/step): ' + ranges if ranges else ''}")
+    targets = target_lines(rows, mem, args.device)
     if targets:
-        print("\nTargets (shardkit FULL_SHARD):\n" + "\n".join(targets))
-    path = args.plot or f"bench_step_{args.model}.png"
-    plot(rows, path, title)
-    print(f"\nplot written to {path}")
+        print("\nTargets:\n" + "\n".join(targets))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0 if len(rows) == len(args.modes) else 1
+            json.dump({"title": title, "rows": rows, "memory": list(mem.values())}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
