@@ -2,12 +2,13 @@
 
 Layout (one job per file): policies (strategy, MixedPrecision, config), plan (which module is a
 unit, which unit owns each parameter), groups (shard / replicate groups), param (one parameter's
-shard and gathered tensor), collectives (fused copy-in, collective, fused copy-out; divide factors), buffers
-(flat-buffer reuse on host-ordered devices), unit (unshard / reshard / reduce of one unit),
-state (per-model context, execution order, prefetch, backward finaliser), hooks (module and
-autograd hooks), materialize (meta-device init), api (shard()), module_api (no_sync, unshard),
-clip (clip_grad_norm_), comm_stats (bytes sent), views (the checkpoint contract), trace
-(`shardkit::` profiler ranges, free without a profiler).
+shard and gathered tensor), collectives (fused copy-in, collective, fused copy-out; divide
+factors), buffers (flat-buffer reuse on host-ordered devices), lifecycle (a unit's ShardedState /
+TrainingState machines), unit (the lifecycle transitions and the reduce of one unit), state
+(per-model context, execution order, prefetch, backward finaliser), hooks (module and autograd
+hooks), materialize (meta-device init), api (shard()), module_api (no_sync, unshard), clip
+(clip_grad_norm_), comm_stats (bytes sent), views (the checkpoint contract), trace (`shardkit::`
+profiler ranges, free without a profiler).
 """
 
 from .api import shard

@@ -58,8 +58,7 @@ def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: d
         if unit is st.root_unit:
             st.on_root_pre_forward()
         st.record_pre_forward(unit)
-        unit.wait_for_unshard()
-        unit.register(unsharded=True)
+        unit.to_unsharded()
         if st.order_recorded:
             st.prefetch_after(unit, st.forward_order, skip_done=False)
         mp = st.config.mixed_precision
@@ -79,14 +78,15 @@ def post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: 
         st.record_post_forward(unit)
         unit.restore_buffers()
         if not st.keep_unsharded:
-            unit.register(unsharded=False)
             if st.config.reshard_after_forward:
-                unit.reshard()
+                unit.to_sharded()
+            else:
+                unit.to_kept()
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                unit.needs_post_backward = True
+                unit.forward_ran()
                 for t in tensors:
                     t.register_hook(lambda grad, u=unit: _pre_backward(u))
         if unit is st.root_unit:
@@ -99,10 +99,10 @@ def _pre_backward(unit: ShardUnit) -> None:
     st.queue_finalizer()
     if not unit.backward_started:
         with trace_range(unit.trace_names["pre_backward"]):
-            unit.backward_started = True
-            unit.wait_for_unshard()
-            # Activation checkpointing recomputes the forward from the module's parameters.
-            unit.register(unsharded=True)
+            unit.backward_reached()
+            # Exposed, not only gathered: activation checkpointing recomputes the forward from
+            # the module's parameters.
+            unit.to_unsharded()
             st.prefetch_after(unit, st.backward_order(), skip_done=True)
             # Backward holds the gathered params and their full grads at once; idle kept
             # buffers on top of that would raise the peak, so backward allocates afresh

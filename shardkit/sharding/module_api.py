@@ -47,8 +47,7 @@ class ShardedModule:
             for unit in state.units:
                 unit.unshard(async_op=True)
             for unit in state.units:
-                unit.wait_for_unshard()
-                unit.register(unsharded=True)
+                unit.to_unsharded()
             yield self
         finally:
             state.keep_unsharded -= 1
@@ -57,5 +56,4 @@ class ShardedModule:
                     if writeback and unit.is_unsharded:
                         for p in unit.params:
                             p.load_full(p.unsharded.detach().to(p.master_dtype))
-                    unit.reshard()
-                    unit.register(unsharded=False)
+                    unit.to_sharded()

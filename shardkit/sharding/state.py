@@ -65,8 +65,7 @@ class ShardState:
             # no-grad forward (SHARD_GRAD_OP) or an unused prefetch left behind may predate
             # an optimizer step.
             for unit in self.units:
-                unit.reshard()
-                unit.register(unsharded=False)
+                unit.to_sharded()
         if not self.order_recorded and not self.recording and torch.is_grad_enabled():
             self.recording = True
 
@@ -121,12 +120,11 @@ class ShardState:
             self._post_backward(unit)
 
     def _post_backward(self, unit: ShardUnit) -> None:
-        unit.needs_post_backward = False
+        unit.reduction_taken()
         # Free the gathered params first: the reduce-scatter input then takes their place in
         # memory instead of adding to it (the grads are separate tensors).
         if not self.keep_unsharded:
-            unit.reshard()
-            unit.register(unsharded=False)
+            unit.to_sharded()
         if not self.no_sync:
             # Finish the previous unit's reductions before packing this one, so at most one
             # full-size reduce input exists at a time and the pool can hand its buffer on.
@@ -149,13 +147,10 @@ class ShardState:
             self.wait_reductions()
             for unit in self.units:
                 if not self.keep_unsharded:
-                    unit.reshard()
-                    unit.register(unsharded=False)
+                    unit.to_sharded()
         finally:
             for unit in self.units:
-                unit.forward_uses = 0
-                unit.needs_post_backward = False
-                unit.backward_started = False
+                unit.pass_done()
             self.finalizer_queued = False
 
     def iter_params(self) -> Iterable:

@@ -9,6 +9,8 @@ from torch import nn
 
 from .collectives import (PendingGather, PendingReduce, copy_out, divide_factors, finish_reduce,
                           pack_grads, start_all_gather, start_reduce_scatter)
+from .lifecycle import (SHARDED_MOVES, TRAINING_MOVES, ShardedState, TrainingState,
+                        advance)
 from .param import ShardedParam
 from .trace import trace_range
 
@@ -39,12 +41,10 @@ class ShardUnit:
         self.gather_buckets = _buckets(params, lambda p: p.compute_dtype)
         trainable = [p for p in params if p.requires_grad]
         self.reduce_buckets = _buckets(trainable, lambda p: state.config.reduce_dtype(p.master_dtype))
-        self.is_unsharded = False  # the unsharded params hold gathered values
-        self.registered_unsharded = False
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
         self.pending: list[tuple[list[ShardedParam], PendingGather]] = []
         self.forward_uses = 0  # forward calls with grad-requiring inputs whose backward is due
-        self.needs_post_backward = False
-        self.backward_started = False  # pre-backward ran in this backward pass
         # Profiler range names, built once (formatting them per call would cost on the hot path).
         self.trace_names = {k: f"shardkit::{k}[{self.name}]"
                             for k in ("pre_forward", "post_forward", "pre_backward",
@@ -53,15 +53,57 @@ class ShardUnit:
     def __repr__(self) -> str:
         return f"<ShardUnit {self.name} params={len(self.params)}>"
 
-    # ---- gather ----------------------------------------------------------------------------
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def _move(self, new: ShardedState) -> None:
+        self.sharded_state = advance(self.name, self.sharded_state, new, SHARDED_MOVES)
+
+    def _train(self, new: TrainingState) -> None:
+        self.training_state = advance(self.name, self.training_state, new, TRAINING_MOVES)
+
     @property
     def in_flight(self) -> bool:
         """True while an all-gather for this unit has been issued but not consumed."""
-        return bool(self.pending)
+        return self.sharded_state is ShardedState.GATHERING
 
+    @property
+    def is_unsharded(self) -> bool:
+        """True while the unsharded params hold gathered values (exposed or kept)."""
+        return self.sharded_state in (ShardedState.UNSHARDED, ShardedState.KEPT)
+
+    @property
+    def needs_post_backward(self) -> bool:
+        """True while a forward's reduction is still due."""
+        return self.training_state in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
+
+    @property
+    def backward_started(self) -> bool:
+        """True once this backward pass reached the unit."""
+        return self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+
+    def forward_ran(self) -> None:
+        """A forward whose outputs need grad finished: its reduction is now due."""
+        if not self.needs_post_backward:
+            self._train(TrainingState.PRE_BACKWARD if self.backward_started
+                        else TrainingState.FORWARD)
+
+    def backward_reached(self) -> None:
+        """Backward reached the unit's outputs."""
+        self._train(TrainingState.PRE_BACKWARD if self.needs_post_backward
+                    else TrainingState.POST_BACKWARD)
+
+    def reduction_taken(self) -> None:
+        """The unit's post-backward ran: nothing is left to reduce this pass."""
+        self._train(TrainingState.POST_BACKWARD)
+
+    def pass_done(self) -> None:
+        """The backward pass is over: back to idle."""
+        self.forward_uses = 0
+        self._train(TrainingState.IDLE)
+
+    # ---- transitions of the parameters -------------------------------------------------------
     def unshard(self, async_op: bool = True) -> None:
-        """Issue this unit's all-gather(s) unless its params are gathered or already in flight."""
-        if self.is_unsharded or self.pending:
+        """Issue this unit's all-gather(s) (SHARDED -> GATHERING); no-op in any other state."""
+        if self.sharded_state is not ShardedState.SHARDED:
             return
         st = self.state
         async_op = async_op and st.async_collectives
@@ -71,11 +113,45 @@ class ShardUnit:
                                            st.stats, async_op=async_op,
                                            stream=st.gather_stream, pool=st.pool)
                 self.pending.append((params, pending))
+        self._move(ShardedState.GATHERING)
 
-    def wait_for_unshard(self) -> None:
-        """Make the unsharded params hold the gathered values (issuing the gather if needed)."""
-        if self.is_unsharded:
+    def to_unsharded(self) -> None:
+        """Gather (waiting on a prefetch if one is in flight) and expose the full params."""
+        if self.sharded_state is ShardedState.UNSHARDED:
             return
+        if not self.is_unsharded:
+            self._fill_unsharded()
+        self._expose(unsharded=True)
+        self._move(ShardedState.UNSHARDED)
+
+    def to_kept(self) -> None:
+        """Expose the shards but keep the gathered values for backward (SHARD_GRAD_OP)."""
+        if self.sharded_state is ShardedState.KEPT:
+            return
+        self._expose(unsharded=False)
+        self._move(ShardedState.KEPT)
+
+    def to_sharded(self) -> None:
+        """Expose the shards and free the gathered params (dropping a gather nobody used)."""
+        if self.sharded_state is ShardedState.SHARDED:
+            return
+        self._expose(unsharded=False)
+        for _params, pending in self.pending:
+            pending.wait(self.state.backend, self.state.device)  # buffers must outlive it
+            self.state.pool.give(pending.output)
+        self.pending = []
+        if self.is_unsharded:
+            if self.state.needs_compiler_barrier:
+                self.state.backend.compiler_barrier([p.unsharded for p in self.params])
+            for p in self.params:
+                p.free_unsharded()
+        self._move(ShardedState.SHARDED)
+
+    def _expose(self, unsharded: bool) -> None:
+        for p in self.params:
+            p.register(unsharded)
+
+    def _fill_unsharded(self) -> None:
         if not self.pending:
             self.unshard(async_op=False)
         st = self.state
@@ -90,27 +166,6 @@ class ShardUnit:
         self.pending = []
         if st.needs_compiler_barrier:
             st.backend.compiler_barrier([p.unsharded for p in self.params])
-        self.is_unsharded = True
-
-    def reshard(self) -> None:
-        """Free the gathered params (and drop a prefetched gather nobody used)."""
-        for _params, pending in self.pending:
-            pending.wait(self.state.backend, self.state.device)  # buffers must outlive it
-            self.state.pool.give(pending.output)
-        self.pending = []
-        if self.is_unsharded:
-            if self.state.needs_compiler_barrier:
-                self.state.backend.compiler_barrier([p.unsharded for p in self.params])
-            for p in self.params:
-                p.free_unsharded()
-            self.is_unsharded = False
-
-    def register(self, unsharded: bool) -> None:
-        """Expose the compute (unsharded) or optimizer (sharded) params on the modules."""
-        if self.registered_unsharded != unsharded:
-            for p in self.params:
-                p.register(unsharded)
-            self.registered_unsharded = unsharded
 
     # ---- gradients -------------------------------------------------------------------------
     def reduce_grads(self) -> list[PendingReduce]:
