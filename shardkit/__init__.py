@@ -1,6 +1,7 @@
 """shardkit: one sharded data-parallel engine for PyTorch that runs the same way on every accelerator."""
 
 from ._version import __version__
+from .logs import configure_from_env as _configure_logging
 from .backend import API_VERSION, Backend
 from .capabilities import Capabilities
 from .errors import (BackendNotFoundError, BackendUnavailableError, PluginLoadError,
@@ -8,7 +9,7 @@ from .errors import (BackendNotFoundError, BackendUnavailableError, PluginLoadEr
 from .handles import CompletedWork, Group, NullEvent, NullStream, ReduceOp, TorchWork, Work
 from .launch_env import LaunchEnv, detect_launch_env
 from .plugin import hookimpl, hookspec
-from .plugin.manager import register_plugin, reset_plugins
+from .plugin.manager import register_plugin
 from .runtime import DistContext, current_context, init, shutdown
 from .selection import backend_statuses, get_backend
 from .spawn import spawn
@@ -21,8 +22,10 @@ __all__ = [
     "CompletedWork", "DistContext", "Group", "LaunchEnv", "NullEvent", "NullStream",
     "PluginLoadError", "ReduceOp", "ShardkitError", "TorchWork", "UnsupportedOperationError",
     "Work", "__version__", "backend_statuses", "current_context", "detect_launch_env",
-    "get_backend", "hookimpl", "hookspec", "init", "register_plugin", "reset_plugins",
+    "get_backend", "hookimpl", "hookspec", "init", "register_plugin",
     "shutdown", "spawn", "replicate",
     "MixedPrecision", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "shard", "wrap",
     "checkpoint",
 ]
+
+_configure_logging()  # SHARDKIT_LOG=debug|info prints the "shardkit" logger to stderr

@@ -14,6 +14,7 @@ import resource
 from typing import Any, ClassVar, Sequence
 
 import torch
+from typing_extensions import override
 
 from .capabilities import Capabilities
 from .errors import ShardkitError, UnsupportedOperationError
@@ -76,16 +77,18 @@ class Backend:
         """Return the versions of the vendor packages this backend relies on."""
         return {}
 
+    @override
     def __repr__(self) -> str:
         return f"<shardkit backend {self.name!r} device_type={self.device_type!r}>"
 
     # ---- devices ------------------------------------------------------------------------------
-    def _device_module(self) -> Any:
+    def device_module(self) -> Any:
+        """Return the torch module for this device type (``torch.get_device_module``); the stream, memory and sync defaults call it."""
         return torch.get_device_module(self.device_type)
 
     def max_local_ranks(self) -> int | None:
-        """Return how many ranks one machine can run (None: as many as asked, e.g. ranks share the CPU)."""
-        return None if self.device_type == "cpu" else self.device_count()
+        """Return how many ranks one machine can run: one per device by default; None for as many as asked."""
+        return self.device_count()
 
     def normalize_device(self, device_id: DeviceLike, local_rank: int) -> torch.device:
         """Turn None, an int, "type", "type:i" or a torch.device into this backend's indexed device."""
@@ -97,7 +100,7 @@ class Backend:
         if isinstance(device_id, int):
             if device_id < 0:
                 raise ShardkitError(f"device_id {device_id} is negative; pass a device index >= 0")
-            return self._indexed(device_id)
+            return self.indexed_device(device_id)
         dev = torch.device(device_id)
         if dev.type != self.device_type:
             raise ShardkitError(
@@ -106,9 +109,10 @@ class Backend:
                 f"for {dev.type!r} with backend=...")
         if dev.index is None:
             return self.local_device(local_rank)
-        return self._indexed(dev.index)
+        return self.indexed_device(dev.index)
 
-    def _indexed(self, index: int) -> torch.device:
+    def indexed_device(self, index: int) -> torch.device:
+        """Return device `index` of this type, refusing an index past device_count() (normalize_device calls it)."""
         count = self.device_count()
         if count and index >= count:
             raise ShardkitError(f"device index {index} is out of range: this process sees {count} "
@@ -117,7 +121,7 @@ class Backend:
 
     def set_device(self, device: torch.device) -> None:
         """Make `device` the current device of this process (a no-op where that means nothing)."""
-        module = self._device_module()
+        module = self.device_module()
         if device.index is not None and hasattr(module, "set_device"):
             module.set_device(device)
 
@@ -140,13 +144,13 @@ class Backend:
         """Return the stream compute currently runs on, or a NullStream."""
         if not self.capabilities.has_streams:
             return NullStream()
-        return self._device_module().current_stream(device)
+        return self.device_module().current_stream(device)
 
     def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
         """Return a context manager under which work is queued on `stream`."""
         if isinstance(stream, NullStream):
             return contextlib.nullcontext(stream)
-        return self._device_module().stream(stream)
+        return self.device_module().stream(stream)
 
     def new_event(self) -> Any:
         """Return a new event, or a NullEvent."""
@@ -161,7 +165,7 @@ class Backend:
 
     def synchronize(self, device: torch.device | None = None) -> None:
         """Wait until all queued work on the device has finished."""
-        module = self._device_module()
+        module = self.device_module()
         if hasattr(module, "synchronize"):
             module.synchronize(device) if device is not None and device.index is not None else module.synchronize()
 
@@ -193,16 +197,16 @@ class Backend:
 
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
         """Return current and peak memory in bytes: {"allocated": .., "peak": ..}."""
-        module = self._device_module()
-        if hasattr(module, "max_memory_allocated") and self.device_type != "cpu":
+        module = self.device_module()
+        if hasattr(module, "max_memory_allocated"):
             return {"allocated": int(module.memory_allocated(device)),
                     "peak": int(module.max_memory_allocated(device))}
         return process_memory()
 
     def reset_peak_memory(self, device: torch.device | None = None) -> None:
         """Start a new peak-memory window where the device allows it."""
-        module = self._device_module()
-        if hasattr(module, "reset_peak_memory_stats") and self.device_type != "cpu":
+        module = self.device_module()
+        if hasattr(module, "reset_peak_memory_stats"):
             module.reset_peak_memory_stats(device)
 
     # ---- process groups ------------------------------------------------------------------------
@@ -365,3 +369,15 @@ def copy_locally(output: torch.Tensor, input: torch.Tensor) -> Work:
     """The gather or reduce-scatter of a one-rank group: a copy, already complete."""
     output.copy_(input.reshape(output.shape))
     return CompletedWork()
+
+
+def check_local_ranks(backend: Backend, nprocs: int) -> None:
+    """Refuse, before any rank starts, more ranks on this machine than the backend has devices for."""
+    limit = backend.max_local_ranks()
+    if limit is None or nprocs <= limit:
+        return
+    raise ShardkitError(
+        f"{nprocs} local ranks were asked for, but the {backend.name!r} backend sees {limit} "
+        f"{backend.device_type} device(s) on this machine and each rank needs its own.\n"
+        f"HINT: pass {max(limit, 1)} or fewer (`--nproc {max(limit, 1)}`, or nprocs={max(limit, 1)} "
+        "for shardkit.spawn), or run the ranks as host processes with `--backend cpu`.")

@@ -73,11 +73,12 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
                 raise ShardkitError(f"{launcher} says rank {rank} of world size {world_size}; "
                                     "rank must be in [0, world_size)")
             local_rank = _int(environ, local_var) if local_var in environ else rank
-            port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else DEFAULT_MASTER_PORT
+            port: int | None = (_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ
+                                else DEFAULT_MASTER_PORT)
             if world_size == 1 and "MASTER_PORT" not in environ:
                 port = None
             return LaunchEnv(rank, world_size, local_rank,
                              _local_size(environ, local_size_var, launcher, world_size),
                              addr, port, launcher)
-    port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None
-    return LaunchEnv(0, 1, 0, 1, addr, port, "none")
+    lone_port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None
+    return LaunchEnv(0, 1, 0, 1, addr, lone_port, "none")

@@ -12,7 +12,9 @@ from .backend import Backend, DeviceLike
 from .errors import ShardkitError
 from .handles import Group
 from .launch_env import LaunchEnv
+from .logs import logger
 from .selection import get_backend
+from .step_boundary import install_step_hook
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -81,7 +83,12 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
     device = be.normalize_device(device_id, env.local_rank)
     be.set_device(device)
     world = be.init_process_group(env, timeout)
+    if be.capabilities.needs_step_boundary:
+        install_step_hook()
     ctx = DistContext(be, env, device, world)
+    logger.info("rank %d/%d (local %d, launcher %s): backend %r on %s, process group %r ready",
+                ctx.rank, ctx.world_size, env.local_rank, env.launcher, be.name, device,
+                be.process_group_backend())
     _set_current(ctx)
     return ctx
 

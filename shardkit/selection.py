@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from .backend import Backend
 from .errors import BackendNotFoundError, BackendUnavailableError, ShardkitError
+from .logs import logger
 from .plugin.manager import plugin_state
 
 _instances: dict[str, Backend] = {}
@@ -47,8 +48,7 @@ def backend_statuses() -> list[BackendStatus]:
     """Return the status of every registered backend, highest priority first."""
     state = plugin_state()
     out = []
-    for name in state.registry.names():
-        cls = state.registry.get(name)
+    for name, cls in state.registry.classes():
         ok, reason = _probe(cls)
         out.append(BackendStatus(name, ok, reason, _hint(cls), cls.priority,
                                  state.registry.origin(name), cls))
@@ -84,6 +84,8 @@ def _instance(name: str) -> Backend:
     with _lock:
         if name not in _instances or type(_instances[name]) is not cls:
             _instances[name] = cls()
+            logger.debug("backend %r: %s from plugin %r", name, cls.__qualname__,
+                         state.registry.origin(name))
         return _instances[name]
 
 
@@ -110,10 +112,13 @@ def get_backend(name: str | Backend | None = None) -> Backend:
     chosen = state.pm.hook.shardkit_select_backend(
         available=[c.name for c in candidates], registered=state.registry.names())
     if chosen is not None:
+        logger.debug("backend %r chosen by a plugin's shardkit_select_backend hook", chosen)
         return _instance(chosen)
     if not candidates:
         raise BackendUnavailableError("no backend can run here. Registered backends:\n"
                                       f"{describe_backends()}")
+    logger.debug("backend %r chosen by priority among %s", candidates[0].name,
+                 [c.name for c in candidates])
     return _instance(candidates[0].name)
 
 

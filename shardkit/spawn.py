@@ -6,9 +6,12 @@ import os
 import pickle
 import socket
 import tempfile
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import ShardkitError
+
+if TYPE_CHECKING:
+    from .backend import Backend
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,21 +46,24 @@ def _rank_main(local_rank: int, fn: Callable, nprocs: int, port: int, backend: A
         pickle.dump(value, f)
 
 
-def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
+def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | Backend | None = None,
           threads_per_rank: int | None = None) -> list[Any]:
     """Run ``fn(rank, *args)`` on `nprocs` local processes with shardkit initialised; return their results in rank order."""
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ShardkitError(f"nprocs must be a positive integer, got {nprocs!r}")
     try:
         pickle.dumps((fn, args))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise ShardkitError(
             f"spawn needs a function and arguments that pickle (ranks start fresh interpreters): "
             f"{exc}. Define the function at module level, not as a lambda or nested function, "
             "and guard the call with `if __name__ == '__main__':`") from exc
-    if backend is not None:
-        from .selection import get_backend
+    from .backend import check_local_ranks
+    from .selection import get_backend
 
+    # Refused here, before any rank starts: past it, the device library fails inside the ranks.
+    check_local_ranks(get_backend(backend), nprocs)
+    if backend is not None:
         # A backend whose ranks are not processes (XLA device threads) starts them itself.
         results = get_backend(backend).spawn_ranks(_rank_body, nprocs, (fn, backend, args))
         if results is not None:

@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from .errors import ShardkitError
 
@@ -40,10 +41,12 @@ class SizeBased(WrapPolicy):
             raise ShardkitError(f"size_based needs a positive int min_num_params, got {min_num_params!r}")
         self.min_num_params = min_num_params
 
+    @override
     def should_wrap(self, module, *, parent, unclaimed_numel):
         """Wrap when enough unclaimed parameters have accumulated in this subtree."""
         return unclaimed_numel >= self.min_num_params
 
+    @override
     def __repr__(self) -> str:
         return f"size_based({self.min_num_params})"
 
@@ -51,17 +54,19 @@ class SizeBased(WrapPolicy):
 class TransformerLayers(WrapPolicy):
     """Wrap every instance of the given layer classes (e.g. a transformer block)."""
 
-    def __init__(self, classes: Iterable[type]) -> None:
+    def __init__(self, classes: Iterable[type] | type) -> None:
         classes = tuple(classes) if not isinstance(classes, type) else (classes,)
         bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
         if not classes or bad:
             raise ShardkitError(f"transformer_layers needs nn.Module subclasses, got {bad or classes!r}")
         self.classes = classes
 
+    @override
     def should_wrap(self, module, *, parent, unclaimed_numel):
         """Wrap instances of the configured classes."""
         return isinstance(module, self.classes)
 
+    @override
     def __repr__(self) -> str:
         return f"transformer_layers({{{', '.join(c.__name__ for c in self.classes)}}})"
 
@@ -69,10 +74,12 @@ class TransformerLayers(WrapPolicy):
 class ModuleListItems(WrapPolicy):
     """Wrap every element of every nn.ModuleList (the usual list of layers)."""
 
+    @override
     def should_wrap(self, module, *, parent, unclaimed_numel):
         """Wrap modules whose parent is an nn.ModuleList."""
         return isinstance(parent, nn.ModuleList)
 
+    @override
     def __repr__(self) -> str:
         return "module_list()"
 
@@ -81,6 +88,7 @@ class _Callable(WrapPolicy):
     def __init__(self, fn: Callable[[nn.Module], bool]) -> None:
         self.fn = fn
 
+    @override
     def should_wrap(self, module, *, parent, unclaimed_numel):
         """Ask the user's callable."""
         return bool(self.fn(module))

@@ -3,21 +3,14 @@
 `make_site(dir)` writes the ``*.dist-info`` that installing tests/fake_plugin would write
 (METADATA + entry_points.txt, read from its setup.cfg) and returns the sys.path entries that make
 both the metadata and the plugin modules visible; subprocesses get them through PYTHONPATH.
-Test modules import the fixtures below by name.
+The fixtures built on it live in tests/conftest.py.
 """
 
 from __future__ import annotations
 
 import configparser
 import os
-import sys
 from pathlib import Path
-from typing import Iterator
-
-import pytest
-
-import shardkit
-from shardkit.selection import forget_backend_instances
 
 FAKE_PLUGIN_DIR = Path(__file__).resolve().parent / "fake_plugin"
 
@@ -43,32 +36,3 @@ def subprocess_env(paths: list[str], **overrides: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
     env.update(overrides)
     return env
-
-
-@pytest.fixture(scope="session")
-def fake_plugin_paths(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """sys.path entries under which tests/fake_plugin is 'installed' (for subprocesses: PYTHONPATH)."""
-    return make_site(tmp_path_factory.mktemp("fake_plugin_site"))
-
-
-@pytest.fixture
-def fresh_plugins(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Rediscover plugins before and after the test, with shardkit's env vars unset."""
-    for key in [k for k in os.environ if k.startswith("SHARDKIT_")] + ["PJRT_DEVICE"]:
-        monkeypatch.delenv(key, raising=False)
-    shardkit.reset_plugins()
-    forget_backend_instances()
-    yield
-    shardkit.reset_plugins()
-    forget_backend_instances()
-
-
-@pytest.fixture
-def fake_plugins(fake_plugin_paths: list[str], monkeypatch: pytest.MonkeyPatch,
-                 fresh_plugins: None) -> Iterator[list[str]]:
-    """The fake plugin distribution visible to this process (and to processes it spawns)."""
-    for path in reversed(fake_plugin_paths):
-        monkeypatch.syspath_prepend(path)
-    yield fake_plugin_paths
-    for module in ("shardkit_toygloo", "shardkit_broken_plugin"):
-        sys.modules.pop(module, None)

@@ -19,7 +19,7 @@ from torch import nn
 import shardkit
 import shardkit.checkpoint as ck
 from shardkit import wrap
-from shardkit.sharding import ShardingStrategy, shard, shard_views
+from shardkit.sharding import shard, shard_views
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import shardkit
-from fake_plugin_site import fake_plugin_paths, fake_plugins, fresh_plugins, subprocess_env  # noqa: F401
+from fake_plugin_site import subprocess_env
 from shardkit import Backend, hookimpl
 from shardkit.cli.main import main
 

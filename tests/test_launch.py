@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from shardkit.cli import launch
-from shardkit.errors import ShardkitError
 from shardkit.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,12 +1,13 @@
 """Plugin discovery, selection and registry validation, with a real third-party distribution.
 
 tests/fake_plugin is a plugin distribution (entry-point group `shardkit`: toygloo, a working
-backend written with only the required members; broken, whose import raises). The fixtures from
-fake_plugin_site put its metadata on sys.path, as `pip install` would.
+backend written with only the required members; broken, whose import raises). The fixtures in
+conftest.py (built on fake_plugin_site) put its metadata on sys.path, as `pip install` would.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -17,12 +18,12 @@ import pytest
 import torch
 
 import shardkit
-from fake_plugin_site import fake_plugin_paths, fake_plugins, fresh_plugins, subprocess_env  # noqa: F401
+from fake_plugin_site import subprocess_env
 from shardkit import (Backend, BackendNotFoundError, BackendUnavailableError, PluginLoadError,
                       ShardkitError, hookimpl)
 from shardkit.plugin import BackendRegistry
 from shardkit.plugin.manager import plugin_state
-from shardkit.testing import run_conformance
+from shardkit.testing import reset_state, run_conformance
 
 REQUIRED_MEMBERS = {"name", "device_type", "is_available", "requirement_hint", "local_device",
                     "device_count", "process_group_backend"}
@@ -50,10 +51,10 @@ def test_toygloo_is_discovered_through_its_entry_point(fake_plugins: list[str]) 
 
 
 def test_toygloo_defines_only_the_required_members(fake_plugins: list[str]) -> None:
-    """A third-party backend needs nothing but the required members and an entry point."""
+    """A third-party backend needs the required members, an entry point, and (ranks sharing one host device) max_local_ranks."""
     cls = type(shardkit.get_backend("toygloo"))
     own = {k for k in vars(cls) if not k.startswith("__")}
-    assert own == REQUIRED_MEMBERS
+    assert own == REQUIRED_MEMBERS | {"max_local_ranks"}
 
 
 @pytest.mark.timeout(180)
@@ -111,7 +112,7 @@ def test_strict_plugins_reraise_at_discovery(fake_plugins: list[str],
         shardkit.get_backend("cpu")
     assert isinstance(info.value.__cause__, ImportError)
     monkeypatch.setenv("SHARDKIT_DISABLED_PLUGINS", "broken")
-    shardkit.reset_plugins()
+    reset_state()
     assert shardkit.get_backend("toygloo").name == "toygloo"
 
 
@@ -275,7 +276,7 @@ def test_auto_detection_prefers_higher_priority(fake_plugins: list[str],
 
     assert shardkit.get_backend().name == "cpu"  # cpu 0 vs toygloo 0: ties go by name
     monkeypatch.setattr(shardkit_toygloo.ToyGlooBackend, "priority", 5)
-    shardkit.reset_plugins()
+    reset_state()
     assert shardkit.get_backend().name == "toygloo"
 
 
@@ -348,3 +349,61 @@ def test_builtin_backends_register_through_entry_points(fresh_plugins: None) -> 
         assert eps[name] == f"shardkit_backends.{name}"
         assert plugin_state().registry.origin(name) == name
 
+
+
+# ---- hook names are checked; one reset for all process-global state ------------------------------
+
+class MisspelledPlugin:
+    """Implements `shardkit_register_backend` (no s): a hook shardkit does not have."""
+
+    @hookimpl
+    def shardkit_register_backend(self, registry: BackendRegistry) -> None:
+        """Never called: no hookspec has this name."""
+        registry.add(NeverBackend)
+
+
+def test_misspelled_hook_is_a_recorded_failure_shown_by_info(fresh_plugins: None,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """pluggy's check_pending turns an unknown hook name into a plugin failure that `info` lists."""
+    from shardkit.cli.main import main
+
+    shardkit.register_plugin(MisspelledPlugin(), "typo")
+    failure = plugin_state().failures["typo"]
+    assert "shardkit_register_backend" in failure.error
+    assert "shardkit_register_backends" in failure.error  # the hint names the real hooks
+    assert "never" not in plugin_state().registry.names()
+    assert not plugin_state().pm.has_plugin("typo")
+    capsys.readouterr()
+    assert main(["info", "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert [f["plugin"] for f in facts["failed_plugins"]] == ["typo"]
+    assert "unknown hook 'shardkit_register_backend'" in facts["failed_plugins"][0]["error"]
+
+
+def test_misspelled_hook_raises_in_strict_mode(fresh_plugins: None,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHARDKIT_STRICT_PLUGINS=1 raises the same failure at registration."""
+    monkeypatch.setenv("SHARDKIT_STRICT_PLUGINS", "1")
+    with pytest.raises(PluginLoadError, match="unknown hook 'shardkit_register_backend'"):
+        shardkit.register_plugin(MisspelledPlugin(), "typo")
+
+
+def test_reset_state_clears_context_plugins_backends_and_xla_barriers(fresh_plugins: None) -> None:
+    """reset_state() shuts the context down, forgets plugins and backends, and the xla plugin's barriers."""
+    from shardkit_backends.xla import threads
+
+    cpu = shardkit.get_backend("cpu")
+    state = plugin_state()
+    threads.shared_barrier((0, 1), 0)
+    ctx = shardkit.init("cpu")
+    assert shardkit.current_context() is ctx and torch.distributed.is_initialized()
+    reset_state()
+    assert shardkit.current_context() is None and not torch.distributed.is_initialized()
+    assert threads._GROUP_BARRIERS == {}
+    assert plugin_state() is not state and shardkit.get_backend("cpu") is not cpu
+
+
+def test_test_only_names_are_not_public() -> None:
+    """shardkit.__all__ holds the user API; resetting global state lives in shardkit.testing."""
+    assert "reset_plugins" not in shardkit.__all__ and not hasattr(shardkit, "reset_plugins")
+    assert all(hasattr(shardkit, name) for name in shardkit.__all__)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from shardkit import Backend, Capabilities, hookimpl
 from shardkit.backend import process_memory
@@ -20,6 +21,7 @@ class CPUBackend(Backend):
     capabilities = Capabilities(has_streams=False, async_collectives=True,
                                 supports_storage_resize=True, shard_alignment=1)
 
+    @override
     @classmethod
     def is_available(cls) -> bool:
         """Available whenever torch.distributed was built with gloo."""
@@ -27,6 +29,7 @@ class CPUBackend(Backend):
 
         return dist.is_available() and dist.is_gloo_available()
 
+    @override
     @classmethod
     def unavailable_reason(cls) -> str:
         """Explain which part of torch.distributed is missing."""
@@ -36,45 +39,61 @@ class CPUBackend(Backend):
             return "this torch build has no torch.distributed"
         return "this torch build has no gloo backend"
 
+    @override
     @classmethod
     def requirement_hint(cls) -> str:
         """The CPU backend needs only a standard torch build."""
         return "pip install 'torch>=2.9' (a build with torch.distributed and gloo)"
 
+    @override
     @classmethod
     def versions(cls) -> dict[str, str]:
         """Report torch, whose bundled gloo this backend uses."""
         return {"torch": torch.__version__}
 
+    @override
     def local_device(self, local_rank: int) -> torch.device:
         """Every rank computes on the host."""
         return torch.device("cpu")
 
+    @override
     def device_count(self) -> int:
         """One host device per process."""
         return 1
 
+    @override
     def process_group_backend(self) -> str:
         """gloo: the CPU collective library shipped inside torch."""
         return "gloo"
 
-    def _indexed(self, index: int) -> torch.device:
-        # torch has one CPU device; an index (from a launcher's LOCAL_RANK) means nothing here.
+    @override
+    def indexed_device(self, index: int) -> torch.device:
+        """Always the host: torch has one CPU device, so an index (a launcher's LOCAL_RANK) means nothing."""
         return torch.device("cpu")
 
+    @override
+    def max_local_ranks(self) -> int | None:
+        """Unlimited: ranks are host processes sharing the CPU cores."""
+        return None
+
+    @override
     def set_device(self, device: torch.device) -> None:
         """Nothing to select on the host."""
 
+    @override
     def synchronize(self, device: torch.device | None = None) -> None:
         """Host work is synchronous."""
 
+    @override
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
         """Resident and peak resident memory of this process."""
         return process_memory()
 
+    @override
     def reset_peak_memory(self, device: torch.device | None = None) -> None:
         """The kernel keeps one peak per process; it cannot be reset."""
 
+    @override
     def ddp_kwargs(self, device: torch.device) -> dict[str, Any]:
         """DDP on CPU takes no device_ids."""
         return {}

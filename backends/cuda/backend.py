@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from shardkit import Backend, Capabilities
 from shardkit.handles import Group
@@ -23,6 +24,7 @@ class CUDABackend(Backend):
     capabilities = Capabilities(has_streams=True, async_collectives=True,
                                 supports_storage_resize=True, shard_alignment=1)
 
+    @override
     @classmethod
     def is_available(cls) -> bool:
         """True when torch is a CUDA build, sees a GPU, and has NCCL."""
@@ -31,6 +33,7 @@ class CUDABackend(Backend):
         return (torch.version.cuda is not None and torch.cuda.is_available()
                 and dist.is_available() and dist.is_nccl_available())
 
+    @override
     @classmethod
     def unavailable_reason(cls) -> str:
         """Say which of build, driver/GPU or NCCL is missing."""
@@ -44,6 +47,7 @@ class CUDABackend(Backend):
             return "this torch build has no NCCL"
         return "unknown"
 
+    @override
     @classmethod
     def requirement_hint(cls) -> str:
         """A CUDA build of torch on a machine with an NVIDIA GPU and driver."""
@@ -51,6 +55,7 @@ class CUDABackend(Backend):
                 "(pip install torch --index-url https://download.pytorch.org/whl/cu128) "
                 "on a machine with an NVIDIA GPU and driver")
 
+    @override
     @classmethod
     def versions(cls) -> dict[str, str]:
         """CUDA runtime and NCCL versions torch was built with."""
@@ -61,19 +66,23 @@ class CUDABackend(Backend):
         return out
 
     # ---- devices ------------------------------------------------------------------------------
+    @override
     def local_device(self, local_rank: int) -> torch.device:
         """One GPU per local rank, wrapping around when ranks outnumber visible GPUs."""
         count = max(torch.cuda.device_count(), 1)
         return torch.device("cuda", local_rank % count)
 
+    @override
     def device_count(self) -> int:
         """Visible GPUs (after CUDA_VISIBLE_DEVICES)."""
         return torch.cuda.device_count()
 
+    @override
     def visible_devices_env(self) -> str | None:
         """Launchers pin GPUs per process with CUDA_VISIBLE_DEVICES."""
         return "CUDA_VISIBLE_DEVICES"
 
+    @override
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         """bf16 exactly when the T5 tutorial's bf16_ready holds, but counting only native bf16.
 
@@ -87,24 +96,29 @@ class CUDABackend(Backend):
         return super().supports_dtype(dtype)
 
     # ---- streams and events through torch.cuda -----------------------------------------------
+    @override
     def new_stream(self, device: torch.device) -> Any:
         """A new CUDA stream on `device`."""
         return torch.cuda.Stream(device=device)
 
+    @override
     def new_event(self) -> Any:
         """A CUDA event (no timing, so recording is cheap)."""
         return torch.cuda.Event()
 
     # ---- process group ------------------------------------------------------------------------
+    @override
     def process_group_backend(self) -> str:
         """NCCL for GPU tensors."""
         return "nccl"
 
+    @override
     def process_group_options(self, env: LaunchEnv) -> dict[str, Any]:
         """Pass device_id where this torch version is safe with it (see policy.bind_device_id)."""
         bind, _why = bind_device_id(torch.__version__, os.environ)
         return {"device_id": self.local_device(env.local_rank)} if bind else {}
 
+    @override
     def barrier(self, group: Group) -> None:
         """Barrier on this process's current GPU, never one NCCL guesses from the rank."""
         import torch.distributed as dist
@@ -114,6 +128,7 @@ class CUDABackend(Backend):
         if group.size > 1:
             dist.barrier(group=group.handle, device_ids=[torch.cuda.current_device()])
 
+    @override
     def ddp_kwargs(self, device: torch.device) -> dict[str, Any]:
         """DDP on a GPU needs its device id."""
         return {"device_ids": [device.index], "output_device": device.index}

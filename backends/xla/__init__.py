@@ -2,6 +2,7 @@
 
 from shardkit import hookimpl
 
+from . import threads
 from .backend import XLABackend
 
 __all__ = ["XLABackend"]
@@ -11,3 +12,9 @@ __all__ = ["XLABackend"]
 def shardkit_register_backends(registry):
     """Register the XLA backend (chosen automatically only when PJRT_DEVICE is set)."""
     registry.add(XLABackend)
+
+
+@hookimpl
+def shardkit_reset_state():
+    """Drop the barriers that the device threads of earlier runs shared."""
+    threads.reset_barriers()

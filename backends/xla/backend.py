@@ -8,7 +8,8 @@ on TPU (one process per chip) they are what the process group calls anyway.
 Why never `xm.optimizer_step`: it all-reduces (averages) every gradient before `opt.step()`. Under
 sharding the engine has already reduce-scattered and averaged them, so that would reduce a second
 time (and across ranks whose shards differ). shardkit cuts the graph after `opt.step()` instead,
-through an optimizer step post-hook (see `step_hook.py`).
+through the optimizer step post-hook that `shardkit.init()` installs for backends whose
+capabilities set `needs_step_boundary` (see `shardkit/step_boundary.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from shardkit.handles import CompletedWork, Group, ReduceOp, Work
 from shardkit.launch_env import LaunchEnv
 
 from . import threads
-from .step_hook import install_step_hook
 
 # Per device thread: how many groups this rank has created (groups are matched by creation order).
 _local = threading.local()
@@ -135,7 +135,6 @@ class XLABackend(Backend):
     def init_process_group(self, env: LaunchEnv, timeout: datetime.timedelta) -> Group:
         """Build this rank's world group; no torch.distributed group is needed for shardkit's collectives."""
         _local.groups_made = 0
-        install_step_hook()
         return self._group(tuple(range(env.world_size)), env.rank, index=0)
 
     def _threaded(self) -> bool:

@@ -64,6 +64,12 @@ def shared_barrier(ranks: tuple[int, ...], index: int) -> threading.Barrier:
         return _GROUP_BARRIERS[key]
 
 
+def reset_barriers() -> None:
+    """Forget every shared barrier: they belong to one run of device threads (shardkit_reset_state)."""
+    with _REGISTRY_LOCK:
+        _GROUP_BARRIERS.clear()
+
+
 def _real_device(device: torch.device) -> str:
     import torch_xla.core.xla_model as xm
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
+from typing_extensions import override
 
 from shardkit import Backend, Capabilities
 from shardkit.launch_env import LaunchEnv
@@ -27,7 +28,7 @@ class XPUBackend(Backend):
     capabilities = Capabilities(has_streams=True, async_collectives=True,
                                 supports_storage_resize=True, shard_alignment=1)
     # Everything learnt about the machine comes from here; tests put a stand-in in its place.
-    runtime: ClassVar[XpuRuntime] = XpuRuntime()
+    runtime: XpuRuntime = XpuRuntime()
 
     def __init__(self, process_group: str | None = None, runtime: XpuRuntime | None = None) -> None:
         self._requested = requested_process_group(process_group) if process_group else None
@@ -35,12 +36,14 @@ class XPUBackend(Backend):
         if runtime is not None:
             self.runtime = runtime
 
+    @override
     @classmethod
     def is_available(cls) -> bool:
         """True when torch sees an XPU (the collective library is checked, loudly, at init)."""
         module = cls.runtime.device_module()
         return module is not None and bool(module.is_available())
 
+    @override
     @classmethod
     def unavailable_reason(cls) -> str:
         """Say whether torch lacks XPU support or sees no device."""
@@ -49,12 +52,14 @@ class XPUBackend(Backend):
         return (f"torch {torch.__version__} sees no Intel XPU device (not an XPU build of torch, "
                 "no Intel GPU driver, or ZE_AFFINITY_MASK hides every device)")
 
+    @override
     @classmethod
     def requirement_hint(cls) -> str:
         """torch's XPU wheels carry both torch.xpu and xccl."""
         return (f"pip install 'shardkit[xpu]' with torch's XPU build (pip install torch "
                 f"--index-url {TORCH_XPU_INDEX}) on a machine with an Intel GPU and driver")
 
+    @override
     @classmethod
     def versions(cls) -> dict[str, str]:
         """torch, whether it has xccl, and the legacy Intel packages if installed."""
@@ -63,25 +68,31 @@ class XPUBackend(Backend):
         return out
 
     # ---- devices ------------------------------------------------------------------------------
-    def _device_module(self) -> Any:
+    @override
+    def device_module(self) -> Any:
+        """torch.xpu, or the stand-in module the tests inject through `runtime`."""
         return self.runtime.device_module()
 
+    @override
     def local_device(self, local_rank: int) -> torch.device:
         """Always an indexed device, so FSDP-style code never falls back to the CUDA default."""
         count = max(self.device_count(), 1)
         return torch.device("xpu", local_rank % count)
 
+    @override
     def device_count(self) -> int:
         """XPUs this process sees (after ZE_AFFINITY_MASK)."""
-        return int(self._device_module().device_count())
+        return int(self.device_module().device_count())
 
+    @override
     def visible_devices_env(self) -> str | None:
         """Level Zero pins devices per process with ZE_AFFINITY_MASK."""
         return "ZE_AFFINITY_MASK"
 
+    @override
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         """bf16 as torch.xpu reports it; float64 only where the GPU has native fp64 (not Arc A-series)."""
-        module = self._device_module()
+        module = self.device_module()
         if dtype == torch.bfloat16:
             probe = getattr(module, "is_bf16_supported", None)
             return bool(probe()) if probe is not None else True
@@ -91,15 +102,18 @@ class XPUBackend(Backend):
         return super().supports_dtype(dtype)
 
     # ---- streams and events through torch.xpu ------------------------------------------------
+    @override
     def new_stream(self, device: torch.device) -> Any:
         """A new torch.xpu stream on `device`."""
-        return self._device_module().Stream(device=device)
+        return self.device_module().Stream(device=device)
 
+    @override
     def new_event(self) -> Any:
         """A torch.xpu event."""
-        return self._device_module().Event()
+        return self.device_module().Event()
 
     # ---- process group ------------------------------------------------------------------------
+    @override
     def process_group_backend(self) -> str:
         """xccl, or ccl (importing the bindings so torch knows the name); raises with a hint if neither."""
         requested = self._requested or requested_process_group()
@@ -111,6 +125,7 @@ class XPUBackend(Backend):
             self._chosen[requested] = chosen
         return self._chosen[requested]
 
+    @override
     def process_group_options(self, env: LaunchEnv) -> dict[str, Any]:
         """Bind xccl to this rank's XPU; leave the legacy ccl group unbound.
 
@@ -123,6 +138,7 @@ class XPUBackend(Backend):
             return {}
         return {"device_id": self.local_device(env.local_rank)}
 
+    @override
     def ddp_kwargs(self, device: torch.device) -> dict[str, Any]:
         """DDP on an XPU takes the device index, like the oneCCL DDP example's device_ids=[device]."""
         return {"device_ids": [device.index], "output_device": device.index}

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from typing_extensions import override
 
 from .errors import CorruptCheckpointError
 
@@ -47,6 +48,7 @@ class FlatChunkSavePlanner(DefaultSavePlanner):
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
+    @override
     def create_local_plan(self) -> SavePlan:
         """One SHARD write item per chunk of this rank."""
         items = []
@@ -63,6 +65,7 @@ class FlatChunkSavePlanner(DefaultSavePlanner):
         self.plan = SavePlan(items)
         return self.plan
 
+    @override
     def lookup_object(self, index: MetadataIndex) -> Any:
         """The local 1-D tensor behind a write item."""
         return self.state_dict[index.fqn].local
@@ -74,6 +77,7 @@ class FlatChunkLoadPlanner(DefaultLoadPlanner):
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
+    @override
     def set_up_planner(self, state_dict: dict, metadata: Metadata | None = None,
                        is_coordinator: bool = False) -> None:
         """Keep the FlatChunk dict as is (no flattening, no meta-device materialisation)."""
@@ -82,8 +86,10 @@ class FlatChunkLoadPlanner(DefaultLoadPlanner):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
 
+    @override
     def create_local_plan(self) -> LoadPlan:
         """Read items for the overlap of each local chunk with the stored chunks."""
+        assert self.metadata is not None, "set_up_planner() gives the metadata first"
         items = []
         for key, chunk in self.state_dict.items():
             md = self.metadata.state_dict_metadata.get(key)
@@ -96,10 +102,12 @@ class FlatChunkLoadPlanner(DefaultLoadPlanner):
                 items += create_read_items_for_chunk_list(key, md, [chunk.chunk_metadata()])
         return LoadPlan(items)
 
+    @override
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         """The local 1-D tensor a read item lands in."""
         return self.state_dict[index.fqn].local
 
+    @override
     def load_bytes(self, read_item, value) -> None:
         """Refuse pickled objects: shardkit checkpoints store only tensors in DCP."""
         raise CorruptCheckpointError(
@@ -121,6 +129,7 @@ _METADATA_GLOBALS = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    @override
     def find_class(self, module: str, name: str) -> Any:
         """Resolve only allow-listed DCP types and torch dtypes/layouts; refuse everything else."""
         if (module, name) in _METADATA_GLOBALS:
@@ -134,6 +143,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 class SafeFileSystemReader(FileSystemReader):
     """FileSystemReader whose metadata is unpickled through an allow-list of DCP's own types."""
 
+    @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Load ``.metadata`` without executing arbitrary pickled code."""
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -141,14 +151,15 @@ class SafeFileSystemReader(FileSystemReader):
             data = f.read()
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-        except Exception as exc:  # noqa: BLE001 - any failure means the file is not DCP metadata
+        except Exception as exc:  # any failure means the file is not DCP metadata
             raise CorruptCheckpointError(f"{path}: cannot read DCP metadata ({exc})") from exc
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{path}: not DCP metadata ({type(metadata).__name__})")
-        if getattr(metadata, "storage_meta", None) is None:
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+            metadata.storage_meta = storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -177,6 +188,8 @@ class FlatTensorReader:
     def read(self, key: str) -> torch.Tensor:
         """Return the full 1-D tensor stored under `key`, assembled from every rank's chunks."""
         md = self.metadata.state_dict_metadata[key]
+        if not isinstance(md, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{key} is stored as {type(md).__name__}, not a tensor")
         out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         planner = FlatChunkLoadPlanner()
         planner.set_up_planner({key: FlatChunk(out, 0, out.numel())}, self.metadata, True)

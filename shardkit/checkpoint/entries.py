@@ -7,27 +7,21 @@ from typing import Any
 
 import torch
 
+from ..sharding.views import ShardView, shard_views
 from .errors import CheckpointError
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
 
 
-def engine() -> Any:
-    """The engine's checkpoint contract module (shardkit.sharding.views)."""
-    from ..sharding import views
-
-    return views
-
-
 @dataclass
 class Entry:
-    """One model state_dict entry: a sharded parameter (view) or a full, replicated buffer."""
+    """One model state_dict entry: a sharded parameter (`view` set) or a full, replicated buffer (`buffer` set)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    view: Any = None  # ShardView for parameters
+    view: ShardView | None = None
     buffer: torch.Tensor | None = None
 
     @property
@@ -48,7 +42,7 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Buffers that state_dict() would contain, by original name."""
     out = {}
     for prefix, sub in module.named_modules():
-        skip = getattr(sub, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(sub, "_non_persistent_buffers_set", set())
         for name, buf in sub._buffers.items():
             if buf is not None and name not in skip:
                 out[f"{prefix}.{name}" if prefix else name] = buf
@@ -57,7 +51,7 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def model_entries(module: torch.nn.Module) -> list[Entry]:
     """Every parameter (sharded) and persistent buffer (replicated) of a sharded model, in state_dict order."""
-    views = {v.fqn: v for v in engine().shard_views(module)}
+    views = {v.fqn: v for v in shard_views(module)}
     buffers = persistent_buffers(module)
     order: list[str] = []
     for prefix, sub in module.named_modules():
@@ -77,15 +71,15 @@ def model_entries(module: torch.nn.Module) -> list[Entry]:
     return out
 
 
-def param_fqns(module: torch.nn.Module) -> dict[int, Any]:
+def param_fqns(module: torch.nn.Module) -> dict[int, ShardView]:
     """Map id(sharded parameter) -> its ShardView, to name the optimizer's parameters."""
-    out: dict[int, Any] = {}
-    for v in engine().shard_views(module):
+    out: dict[int, ShardView] = {}
+    for v in shard_views(module):
         out.setdefault(id(v.param), v)  # tied parameters: the first name in state_dict order
     return out
 
 
-def optimizer_views(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[Any]]:
+def optimizer_views(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[ShardView]]:
     """The ShardView of every parameter of every param group, or an error naming strangers."""
     by_id = param_fqns(module)
     groups = []
@@ -102,7 +96,7 @@ def optimizer_views(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     return groups
 
 
-def is_shard_state(value: Any, view: Any) -> bool:
+def is_shard_state(value: Any, view: ShardView) -> bool:
     """True for optimizer state laid out like the parameter's shard (e.g. Adam's exp_avg)."""
     return (isinstance(value, torch.Tensor) and value.dim() == 1
             and value.numel() == view.param.numel())

@@ -7,8 +7,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..sharding.views import iter_unit_full_params, load_full_param_
 from . import collective, manifest as mf
-from .entries import engine, model_entries
+from .entries import model_entries
 from .errors import CheckpointError
 from .safetensors_io import (DEFAULT_MAX_SHARD_SIZE, SafetensorsLayout, is_weights_dir,
                              read_full_source)
@@ -25,7 +26,7 @@ def visit_full_tensors(model: torch.nn.Module, visit: Callable[[str, torch.Tenso
         if e.buffer is not None:
             seen.add(e.name)
             visit(e.name, e.buffer.detach())
-    units = iter(engine().iter_unit_full_params(model))
+    units = iter(iter_unit_full_params(model))
     while (item := next(units, None)) is not None:
         unit = item[1]
         del item
@@ -105,15 +106,15 @@ def load_full_state_dict(model: torch.nn.Module, source: Any, strict: bool = Tru
         compare_entries(f"full state dict {_describe(source)}",
                         {k: v for k, v in expected.items() if k in shapes},
                         {k: v for k, v in shapes.items() if k in expected})
-    views = engine()
     with torch.no_grad():
         for e in entries:
             if e.name not in shapes:
                 continue
             tensor = get(e.name)
             if e.view is not None:
-                views.load_full_param_(model, e.name, tensor)
+                load_full_param_(model, e.name, tensor)
             else:
+                assert e.buffer is not None  # an Entry is a parameter or a buffer
                 e.buffer.copy_(tensor)
 
 

@@ -12,6 +12,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -120,7 +121,7 @@ class SafetensorsLayout:
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         with open(os.path.join(directory, f.name), "r+b") as out:
             out.seek(f.offsets[name])
-            out.write(memoryview(data))
+            data.tofile(out)
 
     def finish(self, directory: str) -> None:
         """Flush every file to disk."""
@@ -142,7 +143,7 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
     return n
 
 
-def read_full_source(source) -> tuple[dict[str, tuple], callable]:
+def read_full_source(source: Any) -> tuple[dict[str, tuple], Callable[[str], torch.Tensor]]:
     """Open a full state dict (dict, safetensors file or dir, torch file): (name -> shape, get(name))."""
     if isinstance(source, dict):
         return {k: tuple(v.shape) for k, v in source.items()}, source.__getitem__
@@ -162,7 +163,7 @@ def read_full_source(source) -> tuple[dict[str, tuple], callable]:
         return _open_safetensors([path])
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001 - name the file whatever torch refused
+    except Exception as exc:  # name the file whatever torch refused
         raise CheckpointError(f"{path}: cannot load as a weights-only torch state dict ({exc})") from exc
     if not isinstance(sd, dict):
         raise CheckpointError(f"{path}: holds a {type(sd).__name__}, not a state dict")
@@ -179,6 +180,6 @@ def _open_safetensors(paths: list[str]):
             for k in h.keys():
                 handles[k] = h
                 shapes[k] = tuple(h.get_slice(k).get_shape())
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise CheckpointError(f"{p}: not a readable safetensors file ({exc})") from exc
     return shapes, lambda name: handles[name].get_tensor(name)

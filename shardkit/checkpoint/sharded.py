@@ -10,9 +10,10 @@ from typing import Any
 import torch
 
 from .. import __version__
+from ..sharding.views import ShardView, sharding_info
 from . import collective, manifest as mf
 from .dcp_io import FlatChunk, load_chunks, save_chunks
-from .entries import (MODEL_PREFIX, Entry, dtype_from_name, dtype_name, engine, is_shard_state,
+from .entries import (MODEL_PREFIX, Entry, dtype_from_name, dtype_name, is_shard_state,
                       model_entries, optim_key, optimizer_views)
 from .errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError
 
@@ -33,7 +34,7 @@ def _check_weights_only(obj: Any, what: str) -> bytes:
     return buf.getvalue()
 
 
-def _chunk(local: torch.Tensor, view: Any) -> FlatChunk:
+def _chunk(local: torch.Tensor, view: ShardView) -> FlatChunk:
     return FlatChunk(local.detach()[:view.valid_numel], view.offset, _numel(view.full_shape))
 
 
@@ -44,7 +45,7 @@ def _numel(shape) -> int:
     return n
 
 
-def _writes(view: Any) -> bool:
+def _writes(view: ShardView) -> bool:
     # One replica writes each chunk; ranks whose shard is all padding write nothing.
     first_replica = view.replica_group is None or view.replica_group.rank == 0
     return first_replica and view.valid_numel > 0
@@ -83,6 +84,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             if _writes(e.view) or (e.numel == 0 and ctx.rank == 0):
                 chunks[MODEL_PREFIX + e.name] = _chunk(e.view.param, e.view)
         elif ctx.rank == 0:
+            assert e.buffer is not None  # an Entry is a parameter or a buffer
             chunks[MODEL_PREFIX + e.name] = FlatChunk(e.buffer.detach().reshape(-1), 0, e.numel)
     for (fqn, key), (view, value) in shards.items():
         if _writes(view):
@@ -126,7 +128,7 @@ def _info(model, entries: list[Entry], shards: dict, ctx, extra: Any, step: int 
     optim_md = {optim_key(fqn, key): {"param": fqn, "state": key,
                                       "shape": list(view.full_shape), "dtype": dtype_name(value.dtype)}
                 for (fqn, key), (view, value) in shards.items()}
-    return {"complete": True, **engine().sharding_info(model), "world_size": ctx.world_size,
+    return {"complete": True, **sharding_info(model), "world_size": ctx.world_size,
             "backend": ctx.backend.name, "shardkit_version": __version__,
             "torch_version": torch.__version__, "step": step,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -181,6 +183,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
         if e.view is not None:
             chunks[MODEL_PREFIX + e.name] = _chunk(e.view.param.data, e.view)
         else:
+            assert e.buffer is not None  # an Entry is a parameter or a buffer
             if e.buffer.is_contiguous():
                 target = e.buffer.data.view(-1)
             else:
@@ -192,7 +195,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
     with torch.no_grad():
         for buf, flat in pending:
             buf.copy_(flat.view(buf.shape))
-    if optim_sd is not None:
+    if optimizer is not None and optim_sd is not None:
         optimizer.load_state_dict(optim_sd)
     return state["extra"]
 

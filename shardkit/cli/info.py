@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -162,3 +163,13 @@ def main(as_json: bool = False) -> int:
     facts = collect()
     print(json.dumps(facts, indent=2) if as_json else render(facts))
     return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `shardkit info`: every registered backend, whether it runs here, and versions."""
+    parser = subparsers.add_parser(
+        "info", help="list registered backends, whether each runs here, and versions",
+        description="List every registered backend: available or why not (with the install "
+                    "hint), devices, process-group backend, capabilities; plus versions.")
+    parser.add_argument("--json", action="store_true", help="print the same facts as JSON")
+    parser.set_defaults(run=lambda args: main(as_json=args.json))

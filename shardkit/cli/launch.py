@@ -110,6 +110,7 @@ def split_argv(argv: Sequence[str]) -> LaunchRequest:
 
 def build_command(req: LaunchRequest) -> tuple[list[str], dict[str, str]]:
     """Resolve the backend and return (command, environment additions) for the request."""
+    from ..backend import check_local_ranks
     from ..selection import get_backend
 
     if not req.script_argv:
@@ -117,9 +118,11 @@ def build_command(req: LaunchRequest) -> tuple[list[str], dict[str, str]]:
     backend = get_backend(req.backend)
     nproc = req.nproc
     if nproc is None:
-        nproc = "1" if backend.device_type == "cpu" else str(max(backend.device_count(), 1))
+        limit = backend.max_local_ranks()
+        nproc = "1" if limit is None else str(max(limit, 1))
     if not nproc.isdigit() or int(nproc) < 1:
         raise ShardkitError(f"--nproc must be a positive integer, got {nproc!r}")
+    check_local_ranks(backend, int(nproc))
     command = backend.launch_command(nproc, req.launcher_args, req.script_argv)
     return command, {"SHARDKIT_BACKEND": backend.name}
 
@@ -150,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return subprocess.call(command, env=env)
 
 
-def add_launch(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `shardkit launch`; its arguments are split by split_argv, since torchrun's are open-ended."""
     # prefix_chars="+" makes argparse treat every token as positional, so torchrun options and the
     # script's own options reach split_argv untouched; -h/--help is handled there too.

@@ -1,59 +1,62 @@
 """The `shardkit` command: `shardkit --version`, `shardkit info [--json]`, ...
 
-Adding a subcommand is one function that takes the subparsers object, adds a parser and sets
-``run`` (a function of the parsed args returning an exit status), plus one entry in SUBCOMMANDS.
+Each subcommand lives in its own module with an ``add_parser(subparsers)`` function that adds its
+parser(s) and sets ``run`` (a function of the parsed args returning an exit status). Adding one
+is that module plus one entry in COMMANDS. Only the module of the command being run is imported,
+so a broken or missing optional part (the demo's data, say) cannot take down the other commands.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
 
 from .._version import __version__
-from ..checkpoint.cli import add_parser as add_checkpoint_commands
-from ..demo.cli import add_parser as add_demo
 from ..errors import ShardkitError
-from .launch import add_launch
+
+# name -> (module whose add_parser registers it, one-line help shown by `shardkit --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("shardkit.cli.info",
+             "list registered backends, whether each runs here, and versions"),
+    "launch": ("shardkit.cli.launch", "start a script on N ranks (torchrun underneath)"),
+    "consolidate": ("shardkit.checkpoint.cli",
+                    "turn a sharded checkpoint into safetensors files (offline)"),
+    "inspect": ("shardkit.checkpoint.cli", "print what a checkpoint holds"),
+    "demo": ("shardkit.demo.cli", "train an MNIST-style CNN sharded across local processes"),
+}
 
 
-def add_info(subparsers: argparse._SubParsersAction) -> None:
-    """`shardkit info`: every registered backend, whether it runs here, and versions."""
-    parser = subparsers.add_parser(
-        "info", help="list registered backends, whether each runs here, and versions",
-        description="List every registered backend: available or why not (with the install "
-                    "hint), devices, process-group backend, capabilities; plus versions.")
-    parser.add_argument("--json", action="store_true", help="print the same facts as JSON")
-
-    def run(args: argparse.Namespace) -> int:
-        from . import info
-
-        return info.main(as_json=args.json)
-
-    parser.set_defaults(run=run)
+def _chosen_command(argv: Sequence[str]) -> str | None:
+    """Return the subcommand named in `argv` (the first token not starting with '-'), if known."""
+    for token in argv:
+        if not token.startswith("-"):
+            return token if token in COMMANDS else None
+    return None
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_info, add_launch,
-                                                                      add_checkpoint_commands,
-                                                                      add_demo)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """Return the top-level parser with every subcommand registered."""
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """Return the top-level parser: the full parser for the command in `argv`, a help stub for the rest."""
     parser = argparse.ArgumentParser(
         prog="shardkit",
         description="shardkit: one sharded data-parallel engine for PyTorch on every accelerator.")
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for add in SUBCOMMANDS:
-        add(subparsers)
+    chosen = _chosen_command(argv)
+    if chosen is not None:
+        importlib.import_module(COMMANDS[chosen][0]).add_parser(subparsers)
+    for name, (_, help_line) in COMMANDS.items():
+        if name not in subparsers.choices:
+            subparsers.add_parser(name, help=help_line, add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `shardkit` command line; return its exit status."""
-    parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()
         return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import override
 
 
 class ShallowNet(nn.Module):
@@ -20,6 +21,7 @@ class ShallowNet(nn.Module):
         self.fc1 = nn.Linear(9216, 128)
         self.fc2 = nn.Linear(128, 10)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return class logits for a batch of 1x28x28 images."""
         x = F.relu(self.conv2(F.relu(self.conv1(x))))
@@ -41,6 +43,7 @@ class DeepNet(nn.Module):
         self.fc5 = nn.Linear(1000, 128)
         self.fc6 = nn.Linear(128, 10)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return class logits for a batch of 1x28x28 images."""
         x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
@@ -60,6 +63,7 @@ class MLP(nn.Module):
         self.fc3 = nn.Linear(1024, 1024)
         self.fc4 = nn.Linear(1024, 10)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return class logits for a batch of 1x28x28 images."""
         x = torch.flatten(x, 1)

@@ -112,15 +112,15 @@ def _train_epoch(model, opt, train, cfg: DemoConfig, ctx, epoch: int) -> float:
             bar.set_postfix(loss=f"{loss.item():.3f}")
     if bar is not None:
         bar.close()
-    loss_sum, seen = _all_sum(ctx, [loss_sum, seen])
-    return loss_sum / seen
+    total_loss, total_seen = _all_sum(ctx, [loss_sum, seen])
+    return total_loss / total_seen
 
 
 def train_rank(rank: int, cfg: DemoConfig) -> dict:
     """Train and evaluate on this rank (run under shardkit.spawn); return its figures."""
-    import shardkit
+    from shardkit.runtime import require_context
 
-    ctx = shardkit.current_context()
+    ctx = require_context()  # made by shardkit.spawn
     train, test = load_digits_28(cfg.limit_train)
     # Taken after the data and its libraries are loaded, so peak - start is what training added.
     start_bytes = ctx.backend.memory_stats(ctx.device)["allocated"]

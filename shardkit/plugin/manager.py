@@ -61,6 +61,13 @@ class PluginState:
         strict = os.environ.get("SHARDKIT_STRICT_PLUGINS", "") in ("1", "true", "yes")
         try:
             self.pm.register(plugin, name=name)
+            try:
+                # A hookimpl named like no hookspec (`shardkit_register_backend`, say) would
+                # otherwise be ignored without a word.
+                self.pm.check_pending()
+            except pluggy.PluginValidationError as exc:
+                hooks = ", ".join(sorted(n for n in dir(spec) if n.startswith("shardkit_")))
+                raise PluginLoadError(f"{exc}. HINT: shardkit's hooks are {hooks}") from None
             self.registry.current_plugin = name
             impls = [i for i in self.pm.hook.shardkit_register_backends.get_hookimpls()
                      if i.plugin_name == name]
@@ -129,12 +136,14 @@ def plugin_state() -> PluginState:
 def register_plugin(plugin: Any, name: str | None = None) -> None:
     """Register a plugin object (module or instance with hookimpls) without an entry point."""
     state = plugin_state()
-    label = name or getattr(plugin, "__name__", type(plugin).__name__)
+    label = name or str(getattr(plugin, "__name__", type(plugin).__name__))
     state.register(plugin, label, label)
 
 
 def reset_plugins() -> None:
-    """Forget discovered plugins so the next lookup rediscovers them (tests, hot reload)."""
+    """Let every loaded plugin drop its process-global state, then forget them all (next lookup rediscovers)."""
     global _state
     with _lock:
-        _state = None
+        state, _state = _state, None
+    if state is not None:
+        state.pm.hook.shardkit_reset_state()

@@ -58,6 +58,10 @@ class BackendRegistry:
         """Return registered backend names, highest priority first."""
         return sorted(self._classes, key=lambda n: (-self._classes[n].priority, n))
 
+    def classes(self) -> list[tuple[str, type[Backend]]]:
+        """Return (name, class) for every registered backend, highest priority first."""
+        return [(name, self._classes[name]) for name in self.names()]
+
     def get(self, name: str) -> type[Backend] | None:
         """Return the class registered under `name`, or None."""
         return self._classes.get(name)

@@ -32,3 +32,12 @@ def shardkit_select_backend(available: Sequence[str], registered: Sequence[str])
     ``registered`` lists every registered name. Only consulted when neither ``backend=`` nor
     ``SHARDKIT_BACKEND`` chose one.
     """
+
+
+@hookspec
+def shardkit_reset_state() -> None:
+    """Drop the process-global state this plugin keeps (caches, barriers, handles).
+
+    Called by ``shardkit.testing.reset_state()``, after the current context is shut down and
+    before the plugins themselves are forgotten, so the next run in this process starts clean.
+    """

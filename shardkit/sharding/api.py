@@ -14,10 +14,11 @@ from ..wrap import WrapPolicy, as_policy
 from . import hooks
 from .groups import make_groups
 from .materialize import has_meta, materialize
-from .module_api import STATE_ATTR, ShardedModule
+from .module_api import STATE_ATTR, sharded_class
 from .param import ShardedParam
 from .plan import ParamPlan, all_param_plans, plan_units
 from .policies import MixedPrecision, ShardConfig, ShardingStrategy
+from .report import log_sharding
 from .state import ShardState
 from .unit import ShardUnit
 
@@ -111,5 +112,6 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     for unit in state.units:
         hooks.install(unit)
     model.__dict__[STATE_ATTR] = state
-    model.__class__ = type(f"Sharded{type(model).__name__}", (ShardedModule, type(model)), {})
+    log_sharding(model, state)
+    model.__class__ = sharded_class(type(model))
     return model

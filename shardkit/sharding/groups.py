@@ -44,4 +44,5 @@ def make_groups(backend: Backend, world: Group, strategy: ShardingStrategy,
         g = _make(backend, range(offset, n, k), world)
         if me in g.ranks:
             replica = g
+    assert shard is not None  # the shard groups cover every rank
     return shard, replica

@@ -67,9 +67,9 @@ def _init_module(name: str, module: nn.Module,
                  param_init_fn: Callable[[nn.Module], object] | None) -> None:
     if param_init_fn is not None:
         param_init_fn(module)
-    elif callable(getattr(module, "reset_parameters", None)):
+    elif callable(reset := getattr(module, "reset_parameters", None)):
         with torch.no_grad():
-            module.reset_parameters()
+            reset()
     else:
         raise ShardkitError(
             f"module {name or '<root>'} ({type(module).__name__}) has meta-device tensors but no "

@@ -1,19 +1,21 @@
-"""Methods a sharded model gains: no_sync(), unshard(), and access to its engine state."""
+"""Methods a sharded model gains: no_sync(), unshard(), a clear deepcopy error, and access to its engine state."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
-
-from torch import nn
+import threading
+from typing import Any, Iterator
 
 from ..errors import ShardkitError
 from .state import ShardState
 
 STATE_ATTR = "_shardkit_state"
+# original class -> its Sharded subclass: one class per model class, however many models shard()
+_SHARDED_CLASSES: dict[type, type] = {}
+_CLASSES_LOCK = threading.Lock()
 
 
-def get_state(module: nn.Module) -> ShardState:
+def get_state(module: object) -> ShardState:
     """Return the engine state of a model returned by shardkit.shard(), or raise a clear error."""
     state = module.__dict__.get(STATE_ATTR)
     if state is None:
@@ -35,8 +37,17 @@ class ShardedModule:
         finally:
             state.no_sync = previous
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """Refuse with a hint: the parameters are this rank's shards, tied to live process groups."""
+        raise ShardkitError(
+            f"copy.deepcopy of a sharded {type(self).__name__.removeprefix('Sharded')} is not "
+            "supported: its parameters are this rank's shards and its engine state holds process "
+            "groups. HINT: "
+            "deepcopy the model before shardkit.shard(), or build a fresh model and load "
+            "shardkit.checkpoint.full_state_dict(model) into it")
+
     @contextlib.contextmanager
-    def unshard(self, writeback: bool = False) -> Iterator[nn.Module]:
+    def unshard(self, writeback: bool = False) -> Iterator[Any]:
         """Gather every parameter once and keep the full weights until exit (eval, generation).
 
         With writeback=True, changes made to the full parameters are copied back into the shards.
@@ -57,3 +68,11 @@ class ShardedModule:
                         for p in unit.params:
                             p.load_full(p.unsharded.detach().to(p.master_dtype))
                     unit.to_sharded()
+
+
+def sharded_class(cls: type) -> type:
+    """Return the class shard() gives a model of class `cls` (ShardedModule in front), made once per class."""
+    with _CLASSES_LOCK:
+        if cls not in _SHARDED_CLASSES:
+            _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+        return _SHARDED_CLASSES[cls]

@@ -28,7 +28,9 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+import functools
+import operator
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -124,6 +126,11 @@ class Checker:
         self.errors.append(f"{what}: nothing was raised, expected {exc_type.__name__}")
 
 
+def total_of(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The elementwise sum of the tensors, in order (what a "sum" collective must produce)."""
+    return functools.reduce(operator.add, tensors)
+
+
 def values(rank: int, n: int, offset: int = 0) -> torch.Tensor:
     """Rank-specific float64 values, exact in bfloat16 and in sums of up to 4 of them."""
     i = torch.arange(n, dtype=torch.float64)
@@ -187,7 +194,7 @@ def check_reduce_scatter_sum(c: Checker) -> None:
             out = c.blank(n, dtype)
             inp = c.put(values(c.rank, c.size * n, offset=1), dtype)
             c.be.reduce_scatter_tensor(out, inp, c.ctx.world, op="sum").wait()
-            total = sum(values(r, c.size * n, offset=1) for r in range(c.size))
+            total = total_of(values(r, c.size * n, offset=1) for r in range(c.size))
             c.expect_equal(out, total[c.rank * n:(c.rank + 1) * n],
                            f"reduce_scatter sum {dtype} n={n}")
             c.expect_equal(inp, values(c.rank, c.size * n, offset=1),
@@ -243,7 +250,7 @@ def _subgroup_collectives(c: Checker, group: Group, members: list[int], label: s
              f"{label}: group rank {group.rank}, expected {members.index(c.rank)}")
     t = c.put(values(c.rank, 7, offset=4), torch.float32)
     c.be.all_reduce(t, group, op="sum").wait()
-    c.expect_equal(t, sum(values(r, 7, offset=4) for r in members), f"{label}: all_reduce")
+    c.expect_equal(t, total_of(values(r, 7, offset=4) for r in members), f"{label}: all_reduce")
     out = c.blank(len(members) * 5, torch.float32)
     c.be.all_gather_into_tensor(out, c.put(values(c.rank, 5), torch.float32), group).wait()
     c.expect_equal(out, torch.cat([values(r, 5) for r in members]), f"{label}: all_gather")
@@ -291,10 +298,10 @@ def check_async_handles(c: Checker) -> None:
         work.wait()
         c.expect(work.is_completed() is True, f"{label}: not completed after wait()")
         work.wait()  # a second wait is harmless
-    c.expect_equal(a, sum(values(r, n) for r in range(c.size)), "async all_reduce a")
-    c.expect_equal(b, sum(values(r, n, offset=5) for r in range(c.size)), "async all_reduce b")
+    c.expect_equal(a, total_of(values(r, n) for r in range(c.size)), "async all_reduce a")
+    c.expect_equal(b, total_of(values(r, n, offset=5) for r in range(c.size)), "async all_reduce b")
     c.expect_equal(gathered, torch.cat([values(r, n) for r in range(c.size)]), "async all_gather")
-    total = sum(values(r, c.size * n, offset=6) for r in range(c.size))
+    total = total_of(values(r, c.size * n, offset=6) for r in range(c.size))
     c.expect_equal(scattered, total[c.rank * n:(c.rank + 1) * n], "async reduce_scatter")
 
 
@@ -406,12 +413,13 @@ def check_normalize_device(c: Checker) -> None:
     for arg in (None, be.device_type, torch.device(be.device_type)):
         got = be.normalize_device(arg, local)
         c.expect(got == home, f"normalize_device({arg!r}) = {got}, expected {home}")
-    for arg in (0, f"{be.device_type}:0", torch.device(be.device_type, 0)):
-        got = be.normalize_device(arg, local)
+    for index_arg in (0, f"{be.device_type}:0", torch.device(be.device_type, 0)):
+        got = be.normalize_device(index_arg, local)
         c.expect(got.type == be.device_type and got.index in (0, None),
-                 f"normalize_device({arg!r}) = {got}")
+                 f"normalize_device({index_arg!r}) = {got}")
     other = "meta" if be.device_type != "meta" else "cpu"
-    for bad in (-1, True, 1.5, other, torch.device(other)):
+    bad_args: tuple[Any, ...] = (-1, True, 1.5, other, torch.device(other))  # wrong on purpose
+    for bad in bad_args:
         c.expect_raises(ShardkitError, lambda: be.normalize_device(bad, local),
                         f"normalize_device({bad!r})")
 
@@ -435,6 +443,9 @@ def run_checks(rank: int, names: Sequence[str], workdir: str,
                world_size: int | None = None) -> dict[str, str | None]:
     """Run the named checks on this rank (a spawn target); map each to None or its failure text."""
     ctx = current_context()
+    if ctx is None:
+        raise ShardkitError("run_checks runs on a rank started by shardkit.spawn; no shardkit "
+                            "context exists here")
     size = world_size if world_size is not None else int(os.environ["WORLD_SIZE"])
     results: dict[str, str | None] = {}
     for name in names:

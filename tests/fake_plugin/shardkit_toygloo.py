@@ -6,7 +6,7 @@ from shardkit import Backend, hookimpl
 
 
 class ToyGlooBackend(Backend):
-    """Everything beyond the required members comes from shardkit's defaults."""
+    """Everything beyond the required members (and max_local_ranks: ranks share the host) comes from shardkit's defaults."""
 
     name = "toygloo"
     device_type = "cpu"
@@ -34,6 +34,10 @@ class ToyGlooBackend(Backend):
     def process_group_backend(self) -> str:
         """torch's bundled gloo."""
         return "gloo"
+
+    def max_local_ranks(self) -> int | None:
+        """Unlimited: the ranks are host processes sharing that one device."""
+        return None
 
 
 @hookimpl

@@ -1,9 +1,10 @@
-"""The graph cut after every optimizer step, installed once per process by the XLA backend.
+"""The graph cut after every optimizer step, for backends whose capabilities ask for one.
 
-An XLA training loop needs `torch_xla.sync()` after `opt.step()`: without it the optimizer's
-updates stay pending and the traced graph grows with every step. shardkit registers a global
-optimizer step post-hook instead, so a loop written for CPU/CUDA runs unchanged; it only acts in
-threads whose shardkit context uses a backend that asks for a step boundary.
+A lazy device (XLA) needs its graph cut after `opt.step()`: without it the optimizer's updates
+stay pending and the traced graph grows with every step. `shardkit.init()` registers one global
+optimizer step post-hook when the backend sets `capabilities.needs_step_boundary`, so a loop
+written for CPU/CUDA runs unchanged and no backend has to install hooks itself. The hook only acts
+in threads whose shardkit context uses such a backend, and calls its `step_boundary()`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ _lock = threading.Lock()
 
 
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    from shardkit.runtime import current_context
+    from .runtime import current_context
 
     ctx = current_context()
     if ctx is not None and ctx.backend.capabilities.needs_step_boundary:
