@@ -16,7 +16,8 @@ def test_selected_only_when_pjrt_device_is_set(monkeypatch):
 def test_capabilities_tell_the_engine_what_xla_needs():
     caps = XLABackend.capabilities
     assert (caps.supports_storage_resize, caps.shard_alignment, caps.needs_compiler_barrier,
-            caps.needs_step_boundary, caps.ranks_share_process) == (False, 128, True, True, True)
+            caps.needs_step_boundary, caps.ranks_share_process, caps.torch_process_group) == (
+                False, 128, True, True, True, False)
     assert "avg" not in caps.reduce_ops and "sum" in caps.reduce_ops
 
 

@@ -11,6 +11,8 @@ import importlib.util
 
 import pytest
 
+import _xla_workers
+from _xla_workers import cpu_pjrt  # noqa: F401 - autouse fixture: XLA on the CPU client
 import shardkit
 from shardkit.testing import CHECK_NAMES, ConformanceCache, SkipCheck
 
@@ -25,16 +27,7 @@ TOL = 1e-5
 _conformance = ConformanceCache()
 
 
-@pytest.fixture(autouse=True)
-def _cpu_pjrt(monkeypatch):
-    """Every test runs XLA on the CPU client; lower LLVM optimisation halves the compile time."""
-    monkeypatch.setenv("PJRT_DEVICE", "CPU")
-    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
-
-
 def _workers():
-    import _xla_workers
-
     return _xla_workers
 
 

@@ -56,6 +56,7 @@ class XLABackend(Backend):
         has_streams=False, async_collectives=False, supports_storage_resize=False,
         shard_alignment=128,  # what XlaFullyShardedDataParallel pads flat params to (x world size)
         needs_compiler_barrier=True, needs_step_boundary=True, ranks_share_process=True,
+        torch_process_group=False,  # xm collectives on replica groups; checkpoints go through the host
         reduce_ops=frozenset({ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN}),
         supported_dtypes=frozenset({torch.float32, torch.bfloat16}))
 
@@ -288,6 +289,13 @@ class XLABackend(Backend):
         import torch_xla
 
         threads.sync_device(torch.device(torch_xla._XLAC._xla_get_default_device()))
+
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of `tensors`, all run as one graph first (not one compile per tensor)."""
+        on_device = [t.detach() for t in tensors if t.device.type == "xla"]
+        if on_device:
+            threads.flush(on_device, on_device[0].device)
+        return [t.detach().cpu() for t in tensors]
 
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
         """Device bytes in use and peak from xm.get_memory_info; process memory where XLA has none (CPU)."""
