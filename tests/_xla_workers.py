@@ -20,8 +20,10 @@ from shardkit.sharding import iter_unit_full_params
 from _models import Block, TinyNet, batch, global_batch
 
 STEPS = 5
-# XLA on the CPU client; lower LLVM optimisation halves the compile time.
-XLA_TEST_ENV = {"PJRT_DEVICE": "CPU", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+# XLA on the CPU client; lower LLVM optimisation halves the compile time; a spawn that hangs prints
+# every thread's stack and fails after 540 s, inside the tests' 600 s cap.
+XLA_TEST_ENV = {"PJRT_DEVICE": "CPU", "XLA_FLAGS": "--xla_backend_optimization_level=0",
+                "SHARDKIT_XLA_SPAWN_TIMEOUT": "540"}
 
 
 @pytest.fixture(autouse=True)
@@ -221,3 +223,19 @@ def loss_parity_run(rank: int, steps: int) -> dict:
     losses = train_steps(model, opt, 0, steps)
     return {"backend": shardkit.current_context().backend.name, "losses": losses,
             "params": full_params(model)}
+
+
+def hybrid_refused(rank: int) -> str:
+    """What shardkit.shard(HYBRID_SHARD, hybrid_group_size=2) raises on 4 XLA device threads."""
+    try:
+        shardkit.shard(TinyNet(), strategy="HYBRID_SHARD", hybrid_group_size=2)
+    except Exception as exc:  # noqa: BLE001 - the type and text are the result
+        return f"{type(exc).__name__}: {exc}"
+    return "nothing raised"
+
+
+def hang_on_rank_one(rank: int) -> int:
+    """Rank 1 blocks forever (a collective that never completes, as far as the watchdog knows)."""
+    if rank == 1:
+        threading.Event().wait()
+    return rank

@@ -169,12 +169,18 @@ class XLABackend(Backend):
         if not ranks or len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= world:
             raise ShardkitError(f"new_group ranks {list(ranks)} must be distinct ranks in [0, {world})")
         if 1 < len(ranks) < world:
-            # XLA checks replica ids against the replica count of the compiled module, which a
-            # thread compiling for a subset does not have ("Replica 2 is out of range").
+            # Every device compiles its collective for all `world` replicas, and XLA's verifier
+            # rejects a graph issued by a subset only ("In cross_replica mode, replica groups
+            # should contain 4 replicas, but found 2"). A partition of all ranks, each rank in its
+            # own group, does run (measured), but needs every rank to issue every subgroup
+            # collective at once; shardkit's groups do not promise that yet.
             raise UnsupportedOperationError(
                 f"backend {self.name!r} supports groups of all {world} ranks or of one rank, not "
-                f"{list(ranks)}: torch_xla 2.9 rejects replica groups that leave ranks out. "
-                "HINT: use ShardingStrategy.FULL_SHARD (no subgroups) on XLA")
+                f"{list(ranks)}: torch_xla 2.9 compiles every collective for all {world} devices and "
+                "XLA rejects replica groups that leave ranks out ('replica groups should contain "
+                f"{world} replicas, but found {len(ranks)}'), so HYBRID_SHARD with 1 < "
+                f"hybrid_group_size < {world} cannot run. HINT: use ShardingStrategy.FULL_SHARD, or "
+                f"HYBRID_SHARD with hybrid_group_size={world} (shard over all ranks) on XLA")
         _local.groups_made = getattr(_local, "groups_made", 0) + 1
         return self._group(ranks, int(_xr().global_ordinal()), index=_local.groups_made)
 
