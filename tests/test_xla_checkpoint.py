@@ -148,7 +148,9 @@ def test_xla_checkpoint_resumes_on_gloo(xla_saved, ranks):
     loaded = _spawn(_xla_workers.load_then_train, ranks, os.path.join(root, "ckpt"), backend="cpu")
     assert all(r["backend"] == "cpu" for r in loaded)
     assert loaded[0]["extra"] == {"step": 3, "saved_on": "xla"}
-    _assert_resumes(saved, loaded)
+    diff = _assert_resumes(saved, loaded)
+    print(f"xla(2) -> gloo({ranks}): save {max(r['save_s'] for r in saved):.2f} s, load "
+          f"{max(r['load_s'] for r in loaded):.2f} s, next losses max diff {diff:.1e}")
 
 
 def test_gloo_checkpoint_resumes_on_xla(tmp_path):
@@ -156,4 +158,6 @@ def test_gloo_checkpoint_resumes_on_xla(tmp_path):
     loaded = _spawn(_xla_workers.load_then_train, 2, str(tmp_path / "ckpt"), backend="xla")
     assert [r["device"] for r in loaded] == ["xla:0", "xla:1"]
     assert loaded[0]["extra"] == {"step": 3, "saved_on": "cpu"}
-    _assert_resumes(saved, loaded)
+    diff = _assert_resumes(saved, loaded)
+    print(f"gloo(2) -> xla(2): save {max(r['save_s'] for r in saved):.2f} s, load "
+          f"{max(r['load_s'] for r in loaded):.2f} s, next losses max diff {diff:.1e}")
