@@ -195,6 +195,10 @@ class Backend:
     def step_boundary(self) -> None:
         """Mark the end of a training step after optimizer.step() (graph cut on lazy devices)."""
 
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of `tensors` in host memory (lazy devices run all of them as one graph first)."""
+        return [t.detach().cpu() for t in tensors]
+
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
         """Return current and peak memory in bytes: {"allocated": .., "peak": ..}."""
         module = self.device_module()

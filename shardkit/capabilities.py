@@ -27,6 +27,9 @@ class Capabilities:
     needs_step_boundary: bool = False
     # Several ranks may live as threads of one process (XLA on CPU): no process-global state.
     ranks_share_process: bool = False
+    # Collectives run on a torch.distributed process group, which torch.distributed.checkpoint can
+    # coordinate through; False: checkpoints are written from host copies of the shards instead.
+    torch_process_group: bool = True
     # Reduce ops the collectives accept; the engine itself only ever asks for "sum".
     reduce_ops: frozenset[str] = frozenset({"sum", "max", "min"})
     supported_dtypes: frozenset[torch.dtype] = field(default=FLOAT_DTYPES)
@@ -41,6 +44,7 @@ class Capabilities:
             "needs_compiler_barrier": self.needs_compiler_barrier,
             "needs_step_boundary": self.needs_step_boundary,
             "ranks_share_process": self.ranks_share_process,
+            "torch_process_group": self.torch_process_group,
             "reduce_ops": sorted(self.reduce_ops),
             "supported_dtypes": sorted(str(d).replace("torch.", "") for d in self.supported_dtypes),
         }

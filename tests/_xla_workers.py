@@ -10,6 +10,7 @@ import copy
 import threading
 import time
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +20,17 @@ from shardkit.sharding import iter_unit_full_params
 from _models import Block, TinyNet, batch, global_batch
 
 STEPS = 5
+# XLA on the CPU client; lower LLVM optimisation halves the compile time; a spawn that hangs prints
+# every thread's stack and fails after 540 s, inside the tests' 600 s cap.
+XLA_TEST_ENV = {"PJRT_DEVICE": "CPU", "XLA_FLAGS": "--xla_backend_optimization_level=0",
+                "SHARDKIT_XLA_SPAWN_TIMEOUT": "540"}
+
+
+@pytest.fixture(autouse=True)
+def cpu_pjrt(monkeypatch):
+    """Every test of a module that imports this fixture runs XLA on the CPU client."""
+    for key, value in XLA_TEST_ENV.items():
+        monkeypatch.setenv(key, value)
 _RNG_LOCK = threading.Lock()  # device threads share torch's default generator
 
 
@@ -108,3 +120,122 @@ def replicate_refused(rank: int) -> str:
     except Exception as exc:  # noqa: BLE001 - the type and text are the result
         return f"{type(exc).__name__}: {exc}"
     return "nothing raised"
+
+
+# ---- checkpoints across backends and world sizes, loss parity across backends ----------------------
+# One global batch per step, split evenly over 1, 2 or 3 ranks, so runs at different world sizes
+# (and on different backends) do the same arithmetic up to rounding.
+GLOBAL_BATCH = 6
+SAVE_STEP, NEXT_STEPS = 3, 2
+
+
+def global_step_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch of one step (every rank takes its equal slice)."""
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(GLOBAL_BATCH, 1, 4, 4, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
+
+
+def sharded_tinynet(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """TinyNet from `seed`, FULL_SHARD with a unit per Block, and AdamW over its shards."""
+    with _RNG_LOCK:
+        torch.manual_seed(seed)
+        model = TinyNet()
+    model = shardkit.shard(model, auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, first: int, count: int) -> list[float]:
+    """`count` steps from step `first` on this rank's slice of each global batch; this rank's losses."""
+    ctx = shardkit.current_context()
+    n = GLOBAL_BATCH // ctx.world_size
+    losses = []
+    for step in range(first, first + count):
+        x, y = global_step_batch(step)
+        mine = slice(ctx.rank * n, (ctx.rank + 1) * n)
+        loss = F.cross_entropy(model(x[mine].to(ctx.device)), y[mine].to(ctx.device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every full parameter on the host (gathers: every rank must call it)."""
+    out: dict[str, torch.Tensor] = {}
+    for _, tensors in iter_unit_full_params(model):
+        out.update({k: v.detach().cpu().clone() for k, v in tensors.items()})
+    return out
+
+
+def local_optim(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """This rank's real (non-padding) optimizer state: {(fqn, key): (offset, host tensor or number)}."""
+    from shardkit.sharding import shard_views
+
+    out, seen = {}, set()
+    for v in shard_views(model):
+        if id(v.param) in seen:
+            continue
+        seen.add(id(v.param))
+        for key, value in opt.state[v.param].items():
+            if key == "step":
+                out[(v.fqn, key)] = (0, float(value))
+            else:
+                out[(v.fqn, key)] = (v.offset, value[:v.valid_numel].detach().cpu().clone())
+    return out
+
+
+def save_then_train(rank: int, root: str) -> dict:
+    """Train SAVE_STEP steps, save (and export), then NEXT_STEPS more; what the loaders must match."""
+    import shardkit.checkpoint as ck
+
+    ctx = shardkit.current_context()
+    model, opt = sharded_tinynet(seed=0)
+    before = train_steps(model, opt, 0, SAVE_STEP)
+    started = time.perf_counter()
+    ck.save(f"{root}/ckpt", model, opt, extra={"step": SAVE_STEP, "saved_on": ctx.backend.name})
+    save_s = time.perf_counter() - started
+    params, optim = full_params(model), local_optim(model, opt)
+    ck.export(f"{root}/export", model)
+    after = train_steps(model, opt, SAVE_STEP, NEXT_STEPS)
+    return {"backend": ctx.backend.name, "device": str(ctx.device), "before": before,
+            "after": after, "params": params, "optim": optim, "save_s": save_s}
+
+
+def load_then_train(rank: int, path: str) -> dict:
+    """Load the checkpoint into a differently initialised model, then train NEXT_STEPS steps."""
+    import shardkit.checkpoint as ck
+
+    ctx = shardkit.current_context()
+    model, opt = sharded_tinynet(seed=7)
+    started = time.perf_counter()
+    extra = ck.load(path, model, opt)
+    load_s = time.perf_counter() - started
+    params, optim = full_params(model), local_optim(model, opt)
+    after = train_steps(model, opt, SAVE_STEP, NEXT_STEPS)
+    return {"backend": ctx.backend.name, "device": str(ctx.device), "extra": extra,
+            "params": params, "optim": optim, "after": after, "load_s": load_s}
+
+
+def loss_parity_run(rank: int, steps: int) -> dict:
+    """`steps` AdamW steps of the sharded TinyNet from seed 0; this rank's losses and the final params."""
+    model, opt = sharded_tinynet(seed=0)
+    losses = train_steps(model, opt, 0, steps)
+    return {"backend": shardkit.current_context().backend.name, "losses": losses,
+            "params": full_params(model)}
+
+
+def hybrid_refused(rank: int) -> str:
+    """What shardkit.shard(HYBRID_SHARD, hybrid_group_size=2) raises on 4 XLA device threads."""
+    try:
+        shardkit.shard(TinyNet(), strategy="HYBRID_SHARD", hybrid_group_size=2)
+    except Exception as exc:  # noqa: BLE001 - the type and text are the result
+        return f"{type(exc).__name__}: {exc}"
+    return "nothing raised"
+
+
+def hang_on_rank_one(rank: int) -> int:
+    """Rank 1 blocks forever (a collective that never completes, as far as the watchdog knows)."""
+    if rank == 1:
+        threading.Event().wait()
+    return rank

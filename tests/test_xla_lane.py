@@ -11,6 +11,8 @@ import importlib.util
 
 import pytest
 
+import _xla_workers
+from _xla_workers import cpu_pjrt  # noqa: F401 - autouse fixture: XLA on the CPU client
 import shardkit
 from shardkit.testing import CHECK_NAMES, ConformanceCache, SkipCheck
 
@@ -25,16 +27,7 @@ TOL = 1e-5
 _conformance = ConformanceCache()
 
 
-@pytest.fixture(autouse=True)
-def _cpu_pjrt(monkeypatch):
-    """Every test runs XLA on the CPU client; lower LLVM optimisation halves the compile time."""
-    monkeypatch.setenv("PJRT_DEVICE", "CPU")
-    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
-
-
 def _workers():
-    import _xla_workers
-
     return _xla_workers
 
 
@@ -44,7 +37,7 @@ def _workers():
 _SUBGROUPS_UNSUPPORTED = {(3, "new_group"), (4, "new_group")}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size,check", [(ws, c) for ws in (1, 2, 3, 4) for c in CHECK_NAMES])
 def test_conformance(world_size, check):
     if (world_size, check) in _SUBGROUPS_UNSUPPORTED:
@@ -55,7 +48,7 @@ def test_conformance(world_size, check):
         pytest.skip(str(exc))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_subgroups_fail_with_a_clear_error():
     result = _conformance.result("xla", 3)
     text = result.failure("new_group") or ""
@@ -97,15 +90,32 @@ def test_shard_grad_op_two_devices():
                                   backend="xla"))
 
 
+@pytest.mark.timeout(600)
+def test_hybrid_shard_refused_at_shard_with_the_reason():
+    texts = shardkit.spawn(_workers().hybrid_refused, 4, backend="xla")
+    for text in texts:
+        assert text.startswith("UnsupportedOperationError"), text
+        assert "replica groups should contain 4 replicas, but found 2" in text, text
+        assert "HINT: use ShardingStrategy.FULL_SHARD" in text, text
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_ends_as_an_error_with_every_stack(monkeypatch, capfd):
+    monkeypatch.setenv("SHARDKIT_XLA_SPAWN_TIMEOUT", "15")
+    with pytest.raises(shardkit.ShardkitError, match="did not finish within 15 s"):
+        shardkit.spawn(_workers().hang_on_rank_one, 2, backend="xla")
+    assert "hang_on_rank_one" in capfd.readouterr().err
+
+
 # ---- replicate (DDP) ------------------------------------------------------------------------------
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_replicate_parity_one_device():
     (run,) = shardkit.spawn(_workers().replicate_parity, 1, 1, backend="xla")
     assert run["gradient_as_bucket_view"] is True
     assert max(run["diffs"]) <= TOL, run["diffs"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_replicate_refuses_thread_ranks():
     texts = shardkit.spawn(_workers().replicate_refused, 2, backend="xla")
     for text in texts:
@@ -143,7 +153,7 @@ shardkit.shutdown()
 """
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_launch_runs_the_script_on_every_device(tmp_path):
     import subprocess
     import sys

@@ -56,6 +56,7 @@ class XLABackend(Backend):
         has_streams=False, async_collectives=False, supports_storage_resize=False,
         shard_alignment=128,  # what XlaFullyShardedDataParallel pads flat params to (x world size)
         needs_compiler_barrier=True, needs_step_boundary=True, ranks_share_process=True,
+        torch_process_group=False,  # xm collectives on replica groups; checkpoints go through the host
         reduce_ops=frozenset({ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN}),
         supported_dtypes=frozenset({torch.float32, torch.bfloat16}))
 
@@ -167,12 +168,18 @@ class XLABackend(Backend):
         if not ranks or len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= world:
             raise ShardkitError(f"new_group ranks {list(ranks)} must be distinct ranks in [0, {world})")
         if 1 < len(ranks) < world:
-            # XLA checks replica ids against the replica count of the compiled module, which a
-            # thread compiling for a subset does not have ("Replica 2 is out of range").
+            # Every device compiles its collective for all `world` replicas, and XLA's verifier
+            # rejects a graph issued by a subset only ("In cross_replica mode, replica groups
+            # should contain 4 replicas, but found 2"). A partition of all ranks, each rank in its
+            # own group, does run (measured), but needs every rank to issue every subgroup
+            # collective at once; shardkit's groups do not promise that yet.
             raise UnsupportedOperationError(
                 f"backend {self.name!r} supports groups of all {world} ranks or of one rank, not "
-                f"{list(ranks)}: torch_xla 2.9 rejects replica groups that leave ranks out. "
-                "HINT: use ShardingStrategy.FULL_SHARD (no subgroups) on XLA")
+                f"{list(ranks)}: torch_xla 2.9 compiles every collective for all {world} devices and "
+                "XLA rejects replica groups that leave ranks out ('replica groups should contain "
+                f"{world} replicas, but found {len(ranks)}'), so HYBRID_SHARD with 1 < "
+                f"hybrid_group_size < {world} cannot run. HINT: use ShardingStrategy.FULL_SHARD, or "
+                f"HYBRID_SHARD with hybrid_group_size={world} (shard over all ranks) on XLA")
         _local.groups_made = getattr(_local, "groups_made", 0) + 1
         return self._group(ranks, int(_xr().global_ordinal()), index=_local.groups_made)
 
@@ -287,6 +294,13 @@ class XLABackend(Backend):
         import torch_xla
 
         threads.sync_device(torch.device(torch_xla._XLAC._xla_get_default_device()))
+
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of `tensors`, all run as one graph first (not one compile per tensor)."""
+        on_device = [t.detach() for t in tensors if t.device.type == "xla"]
+        if on_device:
+            threads.flush(on_device, on_device[0].device)
+        return [t.detach().cpu() for t in tensors]
 
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
         """Device bytes in use and peak from xm.get_memory_info; process memory where XLA has none (CPU)."""

@@ -16,6 +16,7 @@ from .dcp_io import FlatChunk, load_chunks, save_chunks
 from .entries import (MODEL_PREFIX, Entry, dtype_from_name, dtype_name, is_shard_state,
                       model_entries, optim_key, optimizer_views)
 from .errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError
+from .host_io import load_chunks_to_device, save_chunks_from_host
 
 STATE_FILE = "shardkit_state.pt"
 
@@ -92,7 +93,10 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
 
     tmp = f"{path}{mf.TMP_MARK}{collective.shared_token(ctx):012x}"
     collective.on_rank0(ctx, f"creating {tmp}", lambda: _make_tmp(path, tmp))
-    save_chunks(tmp, chunks, ctx.world.handle)
+    if ctx.backend.capabilities.torch_process_group:
+        save_chunks(tmp, chunks, ctx.world.handle)
+    else:
+        save_chunks_from_host(tmp, chunks, ctx)
     collective.on_rank0(ctx, f"writing {STATE_FILE}", lambda: _write_synced(
         os.path.join(tmp, STATE_FILE), state_blob))
 
@@ -191,7 +195,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
                 pending.append((e.buffer, target))
             chunks[MODEL_PREFIX + e.name] = FlatChunk(target, 0, e.numel)
     optim_sd = _prepare_optimizer(model, optimizer, manifest, state, chunks) if optimizer else None
-    load_chunks(directory, chunks, ctx.world.handle)
+    if ctx.backend.capabilities.torch_process_group:
+        load_chunks(directory, chunks, ctx.world.handle)
+    else:
+        load_chunks_to_device(directory, chunks)
     with torch.no_grad():
         for buf, flat in pending:
             buf.copy_(flat.view(buf.shape))
