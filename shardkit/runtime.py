@@ -8,13 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
+from . import failure
 from .backend import Backend, DeviceLike
 from .errors import ShardkitError
 from .handles import Group
 from .launch_env import LaunchEnv
 from .selection import get_backend
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+DEFAULT_TIMEOUT = failure.DEFAULT_TIMEOUT
 
 
 @dataclass
@@ -64,7 +65,11 @@ def _set_current(ctx: DistContext | None) -> None:
 
 def init(backend: str | Backend | None = None, timeout: datetime.timedelta | float | None = None,
          device_id: DeviceLike = None) -> DistContext:
-    """Initialise the process group from the launcher's environment and return this rank's context."""
+    """Initialise the process group from the launcher's environment and return this rank's context.
+
+    timeout (seconds or a timedelta; default SHARDKIT_TIMEOUT, else 30 s) bounds how long a
+    collective waits for its peers and how long a dead peer goes unnoticed.
+    """
     existing = current_context()
     be = get_backend(backend)
     if existing is not None:
@@ -73,16 +78,14 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
                                 f"{existing.backend.name!r}; call shardkit.shutdown() before "
                                 f"initialising {be.name!r}")
         return existing
-    if timeout is None:
-        timeout = DEFAULT_TIMEOUT
-    elif not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
+    timeout = failure.resolve_timeout(timeout)
     env = be.launch_env()
     device = be.normalize_device(device_id, env.local_rank)
     be.set_device(device)
     world = be.init_process_group(env, timeout)
     ctx = DistContext(be, env, device, world)
     _set_current(ctx)
+    failure.start(world.rank, world.size, timeout, be.capabilities.ranks_share_process)
     return ctx
 
 
@@ -101,5 +104,6 @@ def shutdown() -> None:
     """Tear down the process group made by `init()` and forget the context."""
     ctx = current_context()
     if ctx is not None:
+        failure.stop()
         ctx.backend.shutdown()
     _set_current(None)

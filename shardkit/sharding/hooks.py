@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ..failure import where
 from .state import ShardState
 from .unit import ShardUnit
 
@@ -53,6 +54,7 @@ def _route_through_post_backward(unit: ShardUnit, args: tuple, kwargs: dict) -> 
 def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict):
     """Gather the unit (waiting on a prefetch if one is in flight) and prefetch the next ones."""
     st: ShardState = unit.state
+    where.enter(unit.name, "forward")
     if unit is st.root_unit:
         st.on_root_pre_forward()
     st.record_pre_forward(unit)
@@ -93,6 +95,7 @@ def post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: 
 
 def _pre_backward(unit: ShardUnit) -> None:
     st = unit.state
+    where.enter(unit.name, "backward")
     st.queue_finalizer()
     if not unit.backward_started:
         unit.backward_started = True
