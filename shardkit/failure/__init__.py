@@ -99,6 +99,7 @@ def on_exception(exc: BaseException) -> BaseException:
             message = wd.survivor_message(failures)
             emit(message)
             wd.acknowledge()
+            wd.linger(failures)
             return PeerFailedError(message)
         message = (f"shardkit: a collective failed on rank {wd.rank} in {where.describe()}, and no "
                    f"other rank failed: {exc}. HINT: the ranks probably issued different "

@@ -25,6 +25,7 @@ from . import where
 # The exit status of a rank that stops because another rank failed (not because of itself).
 PEER_FAILED_EXIT = 75
 _DONE = -(1 << 40)  # added to a heartbeat counter when its rank shuts down cleanly
+_DIED = "died (its process is gone: killed, or it exited without reporting an error)"
 _PREFIX = "shardkit/failure/"
 
 
@@ -71,6 +72,9 @@ class Watchdog:
         self.peers = [r for r in range(world_size) if r != rank]
         self._beats = {r: (-1, time.monotonic()) for r in self.peers}
         self._local_pids: dict[int, int] | None = None
+        self._done: set[int] = set()  # peers that shut down cleanly or stopped after a failure
+        # Under shardkit.spawn and plain env:// launches rank 0's process hosts the store.
+        self.hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         self._store_errors = 0
         self._stop = threading.Event()
         self._reported = False
@@ -98,10 +102,9 @@ class Watchdog:
                 self.exit_as_survivor(failures)
 
     def _store_lost(self, exc: BaseException) -> Failure:
-        dead = self._dead_local_peers(cached_only=True)
+        dead = [r for r in self._dead_local_peers(cached_only=True) if r not in self._done]
         if dead:
-            return Failure(dead[0], "died (its process is gone: killed, or it exited without "
-                                    "reporting an error; the job's store went with it)")
+            return Failure(dead[0], _DIED)
         # Under shardkit.spawn and plain env:// launches rank 0 hosts the store; under torchrun
         # its agent does, so a lost store there means the launcher itself went away.
         return Failure(0, f"is unreachable: the job's store stopped answering ({exc}); rank 0 "
@@ -114,7 +117,7 @@ class Watchdog:
             self._thread.join(timeout=2 * self.interval + 1)
         try:
             self.store.add(f"{_PREFIX}hb/{self.rank}", _DONE)
-            if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            if self.hosts_store:
                 # This process hosts the store: leaving before the others are done would look
                 # to them like rank 0 dying. Bounded, and skipped when a failure was reported.
                 deadline = time.monotonic() + min(self.timeout, 10.0)
@@ -129,15 +132,22 @@ class Watchdog:
     def check(self) -> list[Failure]:
         """Beat once and return the peers known to have failed (empty when all look alive)."""
         store = self.store
-        store.add(f"{_PREFIX}hb/{self.rank}", 1)
-        failures = self.posted()
+        # Pids first: a dead store host must not hide which local rank is gone.
+        gone = [r for r in self._dead_local_peers(cached_only=True) if r not in self._done]
+        try:
+            store.add(f"{_PREFIX}hb/{self.rank}", 1)
+            failures = self.posted()
+            counts = {r: store.add(f"{_PREFIX}hb/{r}", 0) for r in self.peers}
+        except Exception:
+            if gone:
+                return [Failure(r, _DIED) for r in gone]
+            raise
+        self._done = {r for r, c in counts.items() if c < 0}
         known = {f.rank for f in failures}
         now = time.monotonic()
-        counts = {r: store.add(f"{_PREFIX}hb/{r}", 0) for r in self.peers}
         for rank in self._dead_local_peers():
-            if rank not in known and counts[rank] >= 0:
-                failures.append(Failure(rank, "died (its process is gone: killed, or it exited "
-                                              "without reporting an error)"))
+            if rank not in known and rank not in self._done:
+                failures.append(Failure(rank, _DIED))
                 known.add(rank)
         for rank, count in counts.items():
             last, since = self._beats[rank]
@@ -228,7 +238,23 @@ class Watchdog:
             self._reported = True
         emit(self.survivor_message(failures))
         self.acknowledge()
+        self.linger(failures)
         os._exit(PEER_FAILED_EXIT)
+
+    def linger(self, failures: list[Failure]) -> None:
+        """As the store's host, stay until every other survivor has reported (bounded)."""
+        if not self.hosts_store:
+            return
+        failed = {f.rank for f in failures}
+        deadline = time.monotonic() + min(self.timeout, 5.0)
+        try:
+            while time.monotonic() < deadline:
+                if all(r in failed or self.store.add(f"{_PREFIX}hb/{r}", 0) < 0
+                       for r in self.peers):
+                    return
+                time.sleep(self.interval / 2)
+        except Exception:  # noqa: BLE001
+            pass
 
     def claim_report(self) -> bool:
         """Return True once: the caller, not the thread, reports this rank's failure."""

@@ -12,6 +12,8 @@ from ..errors import ShardkitError
 from ..runtime import require_context
 from ..wrap import WrapPolicy, as_policy
 from . import hooks
+from .fingerprint import check_same_model, describe
+from .stale_optimizer import remember_replaced
 from .groups import make_groups
 from .materialize import has_meta, materialize
 from .module_api import STATE_ATTR, ShardedModule
@@ -79,10 +81,15 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     device = ctx.device if device_id is None else be.normalize_device(device_id, ctx.local_rank)
     config = _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
                      param_init_fn, be)
+    units_plan = plan_units(model, as_policy(auto_wrap_policy))
+    check_same_model(describe(units_plan, config), be, ctx.world, device)  # before any group
+    if not any(u.params for u in units_plan):
+        raise ShardkitError(f"shard() got a model with no parameters ({type(model).__name__}): "
+                            "there is nothing to shard or train. HINT: pass the model whose "
+                            "parameters you train, with its layers already built")
     shard_group, replica_group = make_groups(be, ctx.world, config.strategy, hybrid_group_size,
                                              ctx.env.local_world_size)
     state = ShardState(be, device, ctx.world, shard_group, replica_group, config)
-    units_plan = plan_units(model, as_policy(auto_wrap_policy))
     shard_device = torch.device("cpu") if config.cpu_offload else device
     by_param: dict[int, ShardedParam] = {}
 
@@ -94,6 +101,7 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
         by_param[id(plan.param)] = sp
 
     plans = {id(p.param): p for p in all_param_plans(units_plan)}
+    remember_replaced(list(plans.values()))
     if has_meta(model):
         materialize(model, device, param_init_fn, lambda meta, real: make(plans[id(meta)], real))
     for module in model.modules():
