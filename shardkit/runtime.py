@@ -26,6 +26,7 @@ class DistContext:
     env: LaunchEnv
     device: torch.device
     world: Group
+    timeout: datetime.timedelta = failure.DEFAULT_TIMEOUT  # what init(timeout=...) resolved to
 
     @property
     def rank(self) -> int:
@@ -83,7 +84,7 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
     device = be.normalize_device(device_id, env.local_rank)
     be.set_device(device)
     world = be.init_process_group(env, timeout)
-    ctx = DistContext(be, env, device, world)
+    ctx = DistContext(be, env, device, world, timeout)
     _set_current(ctx)
     failure.start(world.rank, world.size, timeout, be.capabilities.ranks_share_process)
     return ctx

@@ -14,6 +14,7 @@ from ..wrap import WrapPolicy, as_policy
 from . import hooks
 from .fingerprint import check_same_model, describe
 from .stale_optimizer import remember_replaced
+from .verify import maybe_wrap
 from .groups import make_groups
 from .materialize import has_meta, materialize
 from .module_api import STATE_ATTR, ShardedModule
@@ -54,7 +55,7 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
           mixed_precision: MixedPrecision | None = None, device_id=None,
           backend: str | Backend | None = None, cpu_offload: bool = False,
           param_init_fn: Callable[[nn.Module], object] | None = None, prefetch: int = 1,
-          hybrid_group_size: int | None = None) -> nn.Module:
+          hybrid_group_size: int | None = None, verify: bool | None = None) -> nn.Module:
     """Shard `model` in place over the data-parallel ranks and return it (names unchanged).
 
     - strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (gathered params kept from forward to
@@ -69,6 +70,9 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
       there). A model on the meta device is materialised module by module on that device with
       param_init_fn(module) or module.reset_parameters(), and sharded as it goes.
     - prefetch: how many next units' all-gathers may be in flight ahead of use (0: none).
+    - verify: check before every collective that all ranks issue the same one, and raise naming
+      the first difference instead of hanging (default: on when SHARDKIT_DEBUG=1; costs a store
+      round trip per collective).
     Afterwards model.parameters() are this rank's 1-D padded shards (what the optimizer owns);
     model.no_sync() and model.unshard() are available, and the model's context (backend,
     groups) lives on the model, not in process-global state.
@@ -89,7 +93,8 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
                             "parameters you train, with its layers already built")
     shard_group, replica_group = make_groups(be, ctx.world, config.strategy, hybrid_group_size,
                                              ctx.env.local_world_size)
-    state = ShardState(be, device, ctx.world, shard_group, replica_group, config)
+    state = ShardState(maybe_wrap(be, verify, ctx.timeout), device, ctx.world, shard_group,
+                       replica_group, config)
     shard_device = torch.device("cpu") if config.cpu_offload else device
     by_param: dict[int, ShardedParam] = {}
 
