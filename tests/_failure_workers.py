@@ -206,3 +206,12 @@ def misuse(rank: int, world: int) -> dict:
 def bad_inputs(rank: int, world: int, root: str) -> dict:
     """misuse() and checkpoint_errors() in one job (each job start costs seconds)."""
     return {"misuse": misuse(rank, world), "checkpoint": checkpoint_errors(rank, world, root)}
+
+
+def finish_unevenly(rank: int, world: int, work_s: float) -> str:
+    """One collective, then every rank but 0 works alone for `work_s` seconds before returning."""
+    t = torch.ones(1)
+    shardkit.current_context().backend.all_reduce(t, shardkit.current_context().world)
+    if rank != 0:
+        time.sleep(work_s)  # longer than the timeout: rank 0 and its store are long gone
+    return f"rank {rank} done, sum {t.item():g}"

@@ -142,3 +142,11 @@ def test_shardkit_launch_exits_non_zero_with_the_culprit(tmp_path):
                          out), out[-4000:]
     _record(("launch", 3, "FULL_SHARD", "raise"), {"all": round(ended - float(
         (tmp_path / "mark").read_text()), 3)})
+
+
+@pytest.mark.slow
+def test_ranks_finishing_at_different_times_are_not_failures():
+    from _failure_workers import finish_unevenly
+
+    out = shardkit.spawn(finish_unevenly, 3, 3, 7.0, threads_per_rank=1, timeout=3)
+    assert out == [f"rank {r} done, sum 3" for r in range(3)]

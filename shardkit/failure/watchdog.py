@@ -90,8 +90,8 @@ class Watchdog:
             try:
                 failures = self.check()
             except Exception as exc:  # noqa: BLE001 - the store itself is the casualty
-                if self._stop.is_set():
-                    return
+                if self._stop.is_set() or self.hosts_store_rank_done():
+                    return  # rank 0 finished cleanly and took the store with it: nothing to watch
                 self._store_errors += 1
                 if self._store_errors < 3:
                     continue
@@ -100,6 +100,10 @@ class Watchdog:
                 self._store_errors = 0
             if failures and not self._stop.is_set():
                 self.exit_as_survivor(failures)
+
+    def hosts_store_rank_done(self) -> bool:
+        """True once rank 0 (the store's host, unless a launcher agent hosts it) has shut down cleanly."""
+        return 0 in self._done and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
 
     def _store_lost(self, exc: BaseException) -> Failure:
         dead = [r for r in self._dead_local_peers(cached_only=True) if r not in self._done]
