@@ -68,8 +68,9 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
          device_id: DeviceLike = None) -> DistContext:
     """Initialise the process group from the launcher's environment and return this rank's context.
 
-    timeout (seconds or a timedelta; default SHARDKIT_TIMEOUT, else 30 s) bounds how long a
-    collective waits for its peers and how long a dead peer goes unnoticed.
+    timeout (seconds or a timedelta; default SHARDKIT_TIMEOUT, else 30 s on cpu and 10 minutes on
+    accelerators) bounds how long a collective waits for its peers and how long a dead peer on
+    another host goes unnoticed (one on this host is noticed within a second).
     """
     existing = current_context()
     be = get_backend(backend)
@@ -79,7 +80,7 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
                                 f"{existing.backend.name!r}; call shardkit.shutdown() before "
                                 f"initialising {be.name!r}")
         return existing
-    timeout = failure.resolve_timeout(timeout)
+    timeout = failure.resolve_timeout(timeout, be.device_type)
     env = be.launch_env()
     device = be.normalize_device(device_id, env.local_rank)
     be.set_device(device)

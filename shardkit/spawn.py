@@ -107,7 +107,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None =
 
     from .failure import resolve_timeout
 
-    grace = resolve_timeout(timeout).total_seconds() + 15.0
+    grace = resolve_timeout(timeout, "accelerator").total_seconds() + 15.0
     with tempfile.TemporaryDirectory(prefix="shardkit-spawn-") as result_dir:
         context = mp.start_processes(_rank_main, nprocs=nprocs, join=False, start_method="spawn",
                                      args=(fn, nprocs, free_port(), backend, args,

@@ -5,32 +5,41 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import signal
 import sys
+import threading
 from typing import Any
 
 from ..errors import PeerFailedError, ShardkitError
 from . import where
 from .watchdog import PEER_FAILED_EXIT, Failure, Watchdog, as_seconds, default_store_client, emit
 
-__all__ = ["DEFAULT_TIMEOUT", "PEER_FAILED_EXIT", "Failure", "TIMEOUT_ENV", "Watchdog",
+__all__ = ["DEFAULT_ACCELERATOR_TIMEOUT", "DEFAULT_TIMEOUT", "PEER_FAILED_EXIT", "Failure", "TIMEOUT_ENV", "Watchdog",
            "on_exception", "resolve_timeout", "start", "stop", "where"]
 
 TIMEOUT_ENV = "SHARDKIT_TIMEOUT"
 # Long enough for a slow step or a checkpoint write on one rank, short enough that a dead peer
 # never parks a job for the half hour torch's own default allows.
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=30)
+# Accelerator jobs may legitimately keep peers waiting for minutes (a first compile or autotune
+# on one rank): the 10 minutes torch itself uses for accelerator process groups.
+DEFAULT_ACCELERATOR_TIMEOUT = datetime.timedelta(minutes=10)
 
 _watchdog: Watchdog | None = None
 _previous_excepthook = None
 
 
-def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
-    """The job's timeout: the argument, else SHARDKIT_TIMEOUT (seconds), else DEFAULT_TIMEOUT."""
+def resolve_timeout(timeout: datetime.timedelta | float | None,
+                    device_type: str = "cpu") -> datetime.timedelta:
+    """The job's timeout: the argument, else SHARDKIT_TIMEOUT (seconds), else the default.
+
+    The default is DEFAULT_TIMEOUT (30 s) on host devices, DEFAULT_ACCELERATOR_TIMEOUT otherwise.
+    """
     source = "timeout"
     if timeout is None and os.environ.get(TIMEOUT_ENV):
         timeout, source = os.environ[TIMEOUT_ENV], TIMEOUT_ENV
     if timeout is None:
-        return DEFAULT_TIMEOUT
+        return DEFAULT_TIMEOUT if device_type == "cpu" else DEFAULT_ACCELERATOR_TIMEOUT
     try:
         seconds = as_seconds(timeout)
     except (TypeError, ValueError):
@@ -51,6 +60,10 @@ def start(rank: int, world_size: int, timeout: datetime.timedelta, shares_proces
     if store is None:
         return
     _watchdog = Watchdog(store, rank, world_size, as_seconds(timeout))
+    # Launchers (torchrun) SIGTERM the other ranks as soon as one fails: say where this one was.
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _on_sigterm)
     if _previous_excepthook is None:
         _previous_excepthook = sys.excepthook
         sys.excepthook = _excepthook
@@ -63,6 +76,23 @@ def stop() -> None:
     wd, _watchdog = _watchdog, None
     if wd is not None:
         wd.finish()
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is _on_sigterm):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    wd = _watchdog
+    if wd is not None and wd.claim_report():
+        try:
+            failures = wd.check()
+        except Exception:  # noqa: BLE001 - the store may be gone too
+            failures = []
+        known = "; ".join(str(f) for f in failures) or "no failed rank known here"
+        emit(f"shardkit: rank {wd.rank} was terminated (SIGTERM; a launcher does this to every "
+             f"rank once one failed: {known}); it was in {where.describe()}")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)  # end by the signal, as without this handler
 
 
 def active() -> Watchdog | None:
