@@ -86,7 +86,7 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     config = _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
                      param_init_fn, be)
     units_plan = plan_units(model, as_policy(auto_wrap_policy))
-    check_same_model(describe(units_plan, config), be, ctx.world, device)  # before any group
+    check_same_model(describe(units_plan, config), ctx.world)  # before any group
     if not any(u.params for u in units_plan):
         raise ShardkitError(f"shard() got a model with no parameters ({type(model).__name__}): "
                             "there is nothing to shard or train. HINT: pass the model whose "

@@ -2,23 +2,24 @@
 
 Ranks with different parameter names, shapes, dtypes, wrap plans or sharding options would issue
 different collectives and hang (or silently mix tensors). shard() compares a SHA-256 digest of
-what each rank is about to shard; only on a mismatch does it gather the full descriptions to say
-which lines differ on which ranks.
+what each rank is about to shard, before creating any group; only on a mismatch are the full
+descriptions exchanged, to say which facts differ on which ranks.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
-import torch
-
-from ..backend import Backend
 from ..errors import ShardkitError
+from ..failure.watchdog import default_store_client
 from ..handles import Group
 from .plan import UnitPlan
 from .policies import ShardConfig
 
 MAX_DIFFERENCES = 5
+_PREFIX = "shardkit/model/"
+_calls = 0
 
 
 def describe(units: list[UnitPlan], config: ShardConfig) -> list[str]:
@@ -33,34 +34,39 @@ def describe(units: list[UnitPlan], config: ShardConfig) -> list[str]:
     return lines
 
 
-def _all_gather_bytes(data: bytes, backend: Backend, group: Group,
-                      device: torch.device) -> list[bytes]:
-    """Every rank's `data`, in rank order (two small collectives: lengths, then padded bytes)."""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = torch.empty(group.size, dtype=torch.int64, device=device)
-    backend.all_gather_into_tensor(sizes, size, group).wait()
-    sizes_list = sizes.cpu().tolist()
-    longest = max(sizes_list)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
-    everyone = torch.empty(group.size * longest, dtype=torch.uint8, device=device)
-    backend.all_gather_into_tensor(everyone, mine.to(device), group).wait()
-    rows = everyone.cpu().view(group.size, longest)
-    return [bytes(rows[r, :n].tolist()) for r, n in enumerate(sizes_list)]
+def check_same_model(lines: list[str], world: Group) -> None:
+    """Raise a ShardkitError listing the first differences if any rank describes another model.
 
-
-def check_same_model(lines: list[str], backend: Backend, group: Group,
-                     device: torch.device) -> None:
-    """Raise a ShardkitError listing the first differences if any rank describes another model."""
-    if group.size < 2:
+    The digests travel through the job's store, not the device: no collective, no device memory,
+    nothing to compile. The full descriptions are exchanged only on a mismatch. Jobs without a
+    store (one rank, ranks as threads of one process) skip the check.
+    """
+    global _calls
+    store = default_store_client() if world.size > 1 else None
+    if store is None:
         return
-    digest = hashlib.sha256("\n".join(lines).encode()).digest()
-    digests = _all_gather_bytes(digest, backend, group, device)
+    _calls += 1  # every rank calls shard() in the same order: the n-th calls compare
+    base = f"{_PREFIX}{_calls}/"
+    text = "\n".join(lines)
+    store.set(f"{base}digest/{world.rank}", hashlib.sha256(text.encode()).hexdigest())
+    digests = _gather(store, f"{base}digest/", world)
     if len(set(digests)) == 1:
         return
-    texts = [t.decode().split("\n") for t in _all_gather_bytes("\n".join(lines).encode(), backend,
-                                                                 group, device)]
+    store.set(f"{base}text/{world.rank}", text)
+    texts = [t.split("\n") for t in _gather(store, f"{base}text/", world)]
     raise ShardkitError(mismatch_message(texts))
+
+
+def _gather(store: Any, prefix: str, world: Group) -> list[str]:
+    out = []
+    for rank in range(world.size):
+        try:
+            store.wait([f"{prefix}{rank}"])
+        except Exception as exc:  # noqa: BLE001 - the store's own timeout (shardkit's timeout)
+            raise ShardkitError(f"rank {rank} did not reach shardkit.shard() in time ({exc}); "
+                                "HINT: every rank must call shard() on its model") from exc
+        out.append(store.get(f"{prefix}{rank}").decode())
+    return out
 
 
 def _differences(reference: list[str], other: list[str]) -> list[tuple[str, str]]:
