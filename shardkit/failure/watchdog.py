@@ -73,8 +73,10 @@ class Watchdog:
         self._beats = {r: (-1, time.monotonic()) for r in self.peers}
         self._local_pids: dict[int, int] | None = None
         self._done: set[int] = set()  # peers that shut down cleanly or stopped after a failure
-        # Under shardkit.spawn and plain env:// launches rank 0's process hosts the store.
-        self.hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        # Under shardkit.spawn and plain env:// launches rank 0's process hosts the store; under
+        # torchrun its agent does.
+        self.agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        self.hosts_store = rank == 0 and not self.agent_hosts_store
         self._store_errors = 0
         self._stop = threading.Event()
         self._reported = False
@@ -103,7 +105,7 @@ class Watchdog:
 
     def hosts_store_rank_done(self) -> bool:
         """True once rank 0 (the store's host, unless a launcher agent hosts it) has shut down cleanly."""
-        return 0 in self._done and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        return 0 in self._done and not self.agent_hosts_store
 
     def _store_lost(self, exc: BaseException) -> Failure:
         dead = [r for r in self._dead_local_peers(cached_only=True) if r not in self._done]
