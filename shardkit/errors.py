@@ -21,3 +21,7 @@ class PluginLoadError(ShardkitError):
 
 class UnsupportedOperationError(ShardkitError, NotImplementedError):
     """A collective or reduce op that the selected backend cannot perform."""
+
+
+class PeerFailedError(ShardkitError):
+    """This rank stopped because another rank of the job failed; the message names it."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import failure
 from .backend import Backend, DeviceLike
 from .errors import ShardkitError
 from .handles import Group
@@ -16,7 +17,7 @@ from .logs import logger
 from .selection import get_backend
 from .step_boundary import install_step_hook
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+DEFAULT_TIMEOUT = failure.DEFAULT_TIMEOUT
 
 
 @dataclass
@@ -27,6 +28,7 @@ class DistContext:
     env: LaunchEnv
     device: torch.device
     world: Group
+    timeout: datetime.timedelta = failure.DEFAULT_TIMEOUT  # what init(timeout=...) resolved to
 
     @property
     def rank(self) -> int:
@@ -66,7 +68,12 @@ def _set_current(ctx: DistContext | None) -> None:
 
 def init(backend: str | Backend | None = None, timeout: datetime.timedelta | float | None = None,
          device_id: DeviceLike = None) -> DistContext:
-    """Initialise the process group from the launcher's environment and return this rank's context."""
+    """Initialise the process group from the launcher's environment and return this rank's context.
+
+    timeout (seconds or a timedelta; default SHARDKIT_TIMEOUT, else 30 s on cpu and 10 minutes on
+    accelerators) bounds how long a collective waits for its peers and how long a dead peer on
+    another host goes unnoticed (one on this host is noticed within a second).
+    """
     existing = current_context()
     be = get_backend(backend)
     if existing is not None:
@@ -75,21 +82,19 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
                                 f"{existing.backend.name!r}; call shardkit.shutdown() before "
                                 f"initialising {be.name!r}")
         return existing
-    if timeout is None:
-        timeout = DEFAULT_TIMEOUT
-    elif not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
+    timeout = failure.resolve_timeout(timeout, be.device_type)
     env = be.launch_env()
     device = be.normalize_device(device_id, env.local_rank)
     be.set_device(device)
     world = be.init_process_group(env, timeout)
     if be.capabilities.needs_step_boundary:
         install_step_hook()
-    ctx = DistContext(be, env, device, world)
+    ctx = DistContext(be, env, device, world, timeout)
     logger.info("rank %d/%d (local %d, launcher %s): backend %r on %s, process group %r ready",
                 ctx.rank, ctx.world_size, env.local_rank, env.launcher, be.name, device,
                 be.process_group_backend())
     _set_current(ctx)
+    failure.start(world.rank, world.size, timeout, be.capabilities.ranks_share_process)
     return ctx
 
 
@@ -108,5 +113,6 @@ def shutdown() -> None:
     """Tear down the process group made by `init()` and forget the context."""
     ctx = current_context()
     if ctx is not None:
+        failure.stop()
         ctx.backend.shutdown()
     _set_current(None)

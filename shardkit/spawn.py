@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
+import signal
 import socket
 import tempfile
+import time
+import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
-from .errors import ShardkitError
+from .errors import PeerFailedError, ShardkitError
 
 if TYPE_CHECKING:
     from .backend import Backend
+
+
+class SpawnError(ShardkitError):
+    """One or more ranks of shardkit.spawn failed; the message has each rank's own report."""
+
+    def __init__(self, message: str, exitcodes: dict[int, int], exit_times: dict[int, float],
+                 reports: dict[int, str]) -> None:
+        super().__init__(message)
+        self.exitcodes = exitcodes  # rank -> exit status (negative: killed by that signal)
+        self.exit_times = exit_times  # rank -> time.time() when the parent saw it exit
+        self.reports = reports  # rank -> what it wrote before exiting (traceback, failure report)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -21,34 +36,60 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _rank_body(local_rank: int, fn: Callable, backend: Any, args: tuple) -> Any:
-    from . import runtime
+def _rank_body(local_rank: int, fn: Callable, backend: Any, args: tuple,
+               timeout: datetime.timedelta | float | None = None) -> Any:
+    from . import failure, runtime
 
-    runtime.init(backend)
+    runtime.init(backend, timeout=timeout)
     try:
         return fn(local_rank, *args)
+    except BaseException as exc:
+        # Name the culprit: this rank's own error is posted for its peers; a collective that
+        # failed because a peer died becomes a PeerFailedError naming that peer.
+        raised = failure.on_exception(exc)
+        if raised is exc:
+            raise
+        raise raised from exc
     finally:
         runtime.shutdown()
 
 
 def _rank_main(local_rank: int, fn: Callable, nprocs: int, port: int, backend: Any,
-               args: tuple, threads: int | None, result_dir: str) -> None:
+               args: tuple, threads: int | None, result_dir: str,
+               timeout: datetime.timedelta | float | None = None) -> None:
+    error_file = os.path.join(result_dir, f"rank{local_rank}.err")
     os.environ.update({"RANK": str(local_rank), "WORLD_SIZE": str(nprocs),
                        "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nprocs),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "SHARDKIT_ERROR_FILE": error_file})
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
-    value = _rank_body(local_rank, fn, backend, args)
+    try:
+        value = _rank_body(local_rank, fn, backend, args, timeout)
+    except PeerFailedError:
+        from .failure import PEER_FAILED_EXIT
+
+        # Its report is written already; the status tells the parent it is not the culprit.
+        raise SystemExit(PEER_FAILED_EXIT) from None
+    except BaseException as exc:
+        with open(error_file, "a") as f:
+            f.write("".join(traceback.format_exception(exc)))
+        raise
     # A file, not a queue: a child blocked on a full pipe would never exit and join would hang.
     with open(os.path.join(result_dir, f"rank{local_rank}.pkl"), "wb") as f:
         pickle.dump(value, f)
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | Backend | None = None,
-          threads_per_rank: int | None = None) -> list[Any]:
-    """Run ``fn(rank, *args)`` on `nprocs` local processes with shardkit initialised; return their results in rank order."""
+          threads_per_rank: int | None = None,
+          timeout: datetime.timedelta | float | None = None) -> list[Any]:
+    """Run ``fn(rank, *args)`` on `nprocs` local processes with shardkit initialised; return their results in rank order.
+
+    If a rank fails, the others stop within `timeout` (see shardkit.init) and this raises a
+    SpawnError with every rank's report: the failed rank's traceback and where the rest were.
+    """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ShardkitError(f"nprocs must be a positive integer, got {nprocs!r}")
     try:
@@ -70,12 +111,80 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | Backen
             return results
     import torch.multiprocessing as mp
 
+    from .failure import resolve_timeout
+
+    grace = resolve_timeout(timeout, "accelerator").total_seconds() + 15.0
     with tempfile.TemporaryDirectory(prefix="shardkit-spawn-") as result_dir:
-        mp.start_processes(_rank_main, nprocs=nprocs, join=True, start_method="spawn",
-                           args=(fn, nprocs, free_port(), backend, args, threads_per_rank,
-                                 result_dir))
+        context = mp.start_processes(_rank_main, nprocs=nprocs, join=False, start_method="spawn",
+                                     args=(fn, nprocs, free_port(), backend, args,
+                                           threads_per_rank, result_dir, timeout))
+        _join(context.processes, grace, result_dir)
         out = []
         for rank in range(nprocs):
             with open(os.path.join(result_dir, f"rank{rank}.pkl"), "rb") as f:
                 out.append(pickle.load(f))
         return out
+
+
+def _join(processes: list, grace: float, result_dir: str) -> None:
+    """Wait for every rank; once one fails, give the rest `grace` seconds to report, then stop them."""
+    pending = dict(enumerate(processes))
+    exit_times: dict[int, float] = {}
+    try:
+        _wait_all(pending, exit_times, grace)
+    finally:
+        for proc in pending.values():  # interrupted: leave no rank running
+            proc.kill()
+            proc.join()
+    codes = {rank: proc.exitcode for rank, proc in enumerate(processes)}
+    if any(codes.values()):
+        raise _spawn_error(codes, exit_times, result_dir)
+
+
+def _wait_all(pending: dict, exit_times: dict[int, float], grace: float) -> None:
+    from multiprocessing.connection import wait
+
+    deadline = None
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = set(wait([p.sentinel for p in pending.values()], timeout=left))
+        now = time.time()
+        for rank, proc in list(pending.items()):
+            if proc.sentinel in ready:
+                proc.join()
+                exit_times[rank] = now
+                del pending[rank]
+                if proc.exitcode != 0 and deadline is None:
+                    deadline = time.monotonic() + grace
+        if deadline is not None and pending and time.monotonic() >= deadline:
+            for proc in pending.values():
+                proc.kill()
+                proc.join()
+            for rank in pending:
+                exit_times[rank] = time.time()
+            pending.clear()
+
+
+def _spawn_error(codes: dict[int, int], exit_times: dict[int, float], result_dir: str) -> SpawnError:
+    from .failure import PEER_FAILED_EXIT
+
+    reports = {}
+    for rank in codes:
+        try:
+            with open(os.path.join(result_dir, f"rank{rank}.err")) as f:
+                reports[rank] = f.read().strip()
+        except OSError:
+            reports[rank] = ""
+    lines = []
+    # Culprits first: the ranks that did not stop because of somebody else.
+    for rank in sorted(codes, key=lambda r: (codes[r] in (0, PEER_FAILED_EXIT), r)):
+        code = codes[rank]
+        if code == 0:
+            continue
+        if code < 0:
+            status = f"process {rank} terminated with signal {signal.Signals(-code).name}"
+        else:
+            status = f"process {rank} exited with status {code}"
+        lines.append(f"rank {rank}: {status}" + (f"\n{reports[rank]}" if reports[rank] else ""))
+    return SpawnError("shardkit.spawn: a rank failed\n" + "\n".join(lines), codes, exit_times,
+                      reports)

@@ -58,7 +58,23 @@ def on_rank0(ctx: DistContext, what: str, fn: Callable[[], Any]) -> Any:
         except (OSError, CheckpointError) as exc:
             failure = exc
     if any_rank(ctx, failure is not None):
+        # Every rank raises rank 0's words, so whichever rank's log is read names the cause.
+        text = broadcast_text(ctx, str(failure) if isinstance(failure, CheckpointError)
+                              else f"{what} failed on rank 0: {type(failure).__name__}: {failure}")
         if isinstance(failure, CheckpointError):
             raise failure
-        raise CheckpointError(f"{what} failed on rank 0: {failure or 'see the error on rank 0'}")
+        raise CheckpointError(text) from failure
     return result
+
+
+def broadcast_text(ctx: DistContext, text: str) -> str:
+    """Rank 0's `text` on every rank (two small broadcasts: length, then UTF-8 bytes)."""
+    data = text.encode()
+    n = torch.tensor([len(data)], dtype=torch.int64, device=ctx.device)
+    ctx.backend.broadcast(n, 0, ctx.world)
+    buf = torch.zeros(int(n.item()), dtype=torch.uint8)
+    if ctx.rank == 0 and data:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    buf = buf.to(ctx.device)
+    ctx.backend.broadcast(buf, 0, ctx.world)
+    return bytes(buf.cpu().tolist()).decode(errors="replace")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -93,10 +94,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
 
     tmp = f"{path}{mf.TMP_MARK}{collective.shared_token(ctx):012x}"
     collective.on_rank0(ctx, f"creating {tmp}", lambda: _make_tmp(path, tmp))
-    if ctx.backend.capabilities.torch_process_group:
-        save_chunks(tmp, chunks, ctx.world.handle)
-    else:
-        save_chunks_from_host(tmp, chunks, ctx)
+    _write_shards(ctx, path, tmp, chunks)
     collective.on_rank0(ctx, f"writing {STATE_FILE}", lambda: _write_synced(
         os.path.join(tmp, STATE_FILE), state_blob))
 
@@ -108,6 +106,32 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     collective.on_rank0(ctx, f"saving {path}", lambda: (
         mf.write_manifest(tmp, info, digests), mf.replace_dir(tmp, path)))
     return path
+
+
+def _write_shards(ctx, path: str, tmp: str, chunks: dict[str, FlatChunk]) -> None:
+    """Every rank writes its shard file; a failure on any rank (disk full) raises on all, saying where."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        if ctx.backend.capabilities.torch_process_group:
+            save_chunks(tmp, chunks, ctx.world.handle)
+        else:
+            save_chunks_from_host(tmp, chunks, ctx)
+    except (CheckpointException, OSError) as exc:
+        failures = getattr(exc, "failures", None) or {ctx.rank: exc}
+        causes = "; ".join(f"rank {r}: {_root_cause(e)}" for r, e in sorted(failures.items()))
+        if ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; it never was a checkpoint
+        raise CheckpointError(
+            f"saving {path} failed while writing shard files into {tmp} ({causes}). Any previous "
+            f"checkpoint at {path} is untouched: a save only replaces it once complete. HINT: "
+            "free space on that file system or save somewhere writable") from exc
+
+
+def _root_cause(failure: Any) -> str:
+    # DCP reports (exception, traceback) pairs per rank.
+    exc = failure[0] if isinstance(failure, tuple) else failure
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _make_tmp(path: str, tmp: str) -> None:

@@ -12,6 +12,9 @@ from ..errors import ShardkitError
 from ..runtime import require_context
 from ..wrap import WrapPolicy, as_policy
 from . import hooks
+from .fingerprint import check_same_model, describe
+from .stale_optimizer import remember_replaced
+from .verify import maybe_wrap
 from .groups import make_groups
 from .materialize import has_meta, materialize
 from .module_api import STATE_ATTR, sharded_class
@@ -53,7 +56,7 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
           mixed_precision: MixedPrecision | None = None, device_id=None,
           backend: str | Backend | None = None, cpu_offload: bool = False,
           param_init_fn: Callable[[nn.Module], object] | None = None, prefetch: int = 1,
-          hybrid_group_size: int | None = None) -> nn.Module:
+          hybrid_group_size: int | None = None, verify: bool | None = None) -> nn.Module:
     """Shard `model` in place over the data-parallel ranks and return it (names unchanged).
 
     - strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (gathered params kept from forward to
@@ -68,6 +71,9 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
       there). A model on the meta device is materialised module by module on that device with
       param_init_fn(module) or module.reset_parameters(), and sharded as it goes.
     - prefetch: how many next units' all-gathers may be in flight ahead of use (0: none).
+    - verify: check before every collective that all ranks issue the same one, and raise naming
+      the first difference instead of hanging (default: on when SHARDKIT_DEBUG=1; costs a store
+      round trip per collective).
     Afterwards model.parameters() are this rank's 1-D padded shards (what the optimizer owns);
     model.no_sync() and model.unshard() are available, and the model's context (backend,
     groups) lives on the model, not in process-global state.
@@ -80,10 +86,16 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     device = ctx.device if device_id is None else be.normalize_device(device_id, ctx.local_rank)
     config = _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
                      param_init_fn, be)
+    units_plan = plan_units(model, as_policy(auto_wrap_policy))
+    check_same_model(describe(units_plan, config), ctx.world)  # before any group
+    if not any(u.params for u in units_plan):
+        raise ShardkitError(f"shard() got a model with no parameters ({type(model).__name__}): "
+                            "there is nothing to shard or train. HINT: pass the model whose "
+                            "parameters you train, with its layers already built")
     shard_group, replica_group = make_groups(be, ctx.world, config.strategy, hybrid_group_size,
                                              ctx.env.local_world_size)
-    state = ShardState(be, device, ctx.world, shard_group, replica_group, config)
-    units_plan = plan_units(model, as_policy(auto_wrap_policy))
+    state = ShardState(maybe_wrap(be, verify, ctx.timeout), device, ctx.world, shard_group,
+                       replica_group, config)
     shard_device = torch.device("cpu") if config.cpu_offload else device
     by_param: dict[int, ShardedParam] = {}
 
@@ -95,6 +107,7 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
         by_param[id(plan.param)] = sp
 
     plans = {id(p.param): p for p in all_param_plans(units_plan)}
+    remember_replaced(list(plans.values()))
     if has_meta(model):
         materialize(model, device, param_init_fn, lambda meta, real: make(plans[id(meta)], real))
     for module in model.modules():

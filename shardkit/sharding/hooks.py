@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ..failure import where
 from .state import ShardState
 from .trace import trace_range
 from .unit import ShardUnit
@@ -55,6 +56,7 @@ def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: d
     """Gather the unit (waiting on a prefetch if one is in flight) and prefetch the next ones."""
     with trace_range(unit.trace_names["pre_forward"]):
         st: ShardState = unit.state
+        where.enter(unit.name, "forward")
         if unit is st.root_unit:
             st.on_root_pre_forward()
         st.record_pre_forward(unit)
@@ -96,6 +98,7 @@ def post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: 
 
 def _pre_backward(unit: ShardUnit) -> None:
     st = unit.state
+    where.enter(unit.name, "backward")
     st.queue_finalizer()
     if not unit.backward_started:
         with trace_range(unit.trace_names["pre_backward"]):

@@ -1,0 +1,313 @@
+"""A per-rank watchdog: heartbeats and a failure board in the job's store, so a rank that dies or
+raises is named, and the ranks left waiting for it exit within the timeout instead of hanging.
+
+Every rank runs one daemon thread. Each tick it bumps its heartbeat counter and reads the board.
+A peer counts as failed when it posted to the board (it raised), when its process is gone (peers
+on this host: checked by pid, so a SIGKILL is seen within a tick), or when its heartbeat has not
+moved for `timeout` seconds (peers elsewhere). A survivor then prints who failed and where it was
+itself (unit and phase), and exits: its training thread may be blocked inside a collective that
+no Python code can interrupt.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import where
+
+# The exit status of a rank that stops because another rank failed (not because of itself).
+PEER_FAILED_EXIT = 75
+_DONE = -(1 << 40)  # added to a heartbeat counter when its rank shuts down cleanly
+_DIED = "died (its process is gone: killed, or it exited without reporting an error)"
+_PREFIX = "shardkit/failure/"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed rank and what is known about why."""
+
+    rank: int
+    cause: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} {self.cause}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # A zombie has exited; only its parent has not reaped it yet.
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Watchdog:
+    """Heartbeat, failure board and dead-peer detection for one rank of a process-group job."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout: float) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        # Ticks fine enough to notice a death well inside the timeout, coarse enough to cost nothing.
+        self.interval = min(1.0, max(0.05, timeout / 20))
+        self.host = socket.gethostname()
+        self.peers = [r for r in range(world_size) if r != rank]
+        self._beats = {r: (-1, time.monotonic()) for r in self.peers}
+        self._local_pids: dict[int, int] | None = None
+        self._done: set[int] = set()  # peers that shut down cleanly or stopped after a failure
+        # Under shardkit.spawn and plain env:// launches rank 0's process hosts the store; under
+        # torchrun its agent does.
+        self.agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        self.hosts_store = rank == 0 and not self.agent_hosts_store
+        self._store_errors = 0
+        self._stop = threading.Event()
+        self._reported = False
+        self._lock = threading.Lock()
+        store.set(f"{_PREFIX}pid/{rank}", f"{self.host}:{os.getpid()}")
+        store.add(f"{_PREFIX}hb/{rank}", 1)
+        self._thread = threading.Thread(target=self._run, name="shardkit-watchdog", daemon=True)
+        self._thread.start()
+
+    # ---- the thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                failures = self.check()
+            except Exception as exc:  # noqa: BLE001 - the store itself is the casualty
+                if self._stop.is_set() or self.hosts_store_rank_done():
+                    return  # rank 0 finished cleanly and took the store with it: nothing to watch
+                self._store_errors += 1
+                if self._store_errors < 3:
+                    continue
+                failures = [self._store_lost(exc)]
+            else:
+                self._store_errors = 0
+            if failures and not self._stop.is_set():
+                self.exit_as_survivor(failures)
+
+    def hosts_store_rank_done(self) -> bool:
+        """True once rank 0 (the store's host, unless a launcher agent hosts it) has shut down cleanly."""
+        return 0 in self._done and not self.agent_hosts_store
+
+    def _store_lost(self, exc: BaseException) -> Failure:
+        dead = [r for r in self._dead_local_peers(cached_only=True) if r not in self._done]
+        if dead:
+            return Failure(dead[0], _DIED)
+        # Under shardkit.spawn and plain env:// launches rank 0 hosts the store; under torchrun
+        # its agent does, so a lost store there means the launcher itself went away.
+        return Failure(0, f"is unreachable: the job's store stopped answering ({exc}); rank 0 "
+                          "hosts it unless a launcher agent does, so rank 0 most likely died")
+
+    def finish(self) -> None:
+        """Stop the thread and mark this rank done, so peers do not take its exit for a death."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval + 1)
+        try:
+            self.store.add(f"{_PREFIX}hb/{self.rank}", _DONE)
+            if self.hosts_store:
+                # This process hosts the store: leaving before the others are done would look
+                # to them like rank 0 dying. Bounded, and skipped when a failure was reported.
+                deadline = time.monotonic() + min(self.timeout, 10.0)
+                while not self._reported and time.monotonic() < deadline:
+                    if all(self.store.add(f"{_PREFIX}hb/{r}", 0) < 0 for r in self.peers):
+                        break
+                    time.sleep(self.interval / 2)
+        except Exception:  # noqa: BLE001 - the store went first; nothing left to tell
+            pass
+
+    # ---- detection -------------------------------------------------------------------------
+    def check(self) -> list[Failure]:
+        """Beat once and return the peers known to have failed (empty when all look alive)."""
+        store = self.store
+        # Pids first: a dead store host must not hide which local rank is gone.
+        gone = [r for r in self._dead_local_peers(cached_only=True) if r not in self._done]
+        try:
+            store.add(f"{_PREFIX}hb/{self.rank}", 1)
+            failures = self.posted()
+            counts = {r: store.add(f"{_PREFIX}hb/{r}", 0) for r in self.peers}
+        except Exception:
+            if gone:
+                return [Failure(r, _DIED) for r in gone]
+            raise
+        self._done = {r for r, c in counts.items() if c < 0}
+        known = {f.rank for f in failures}
+        now = time.monotonic()
+        for rank in self._dead_local_peers():
+            if rank not in known and rank not in self._done:
+                failures.append(Failure(rank, _DIED))
+                known.add(rank)
+        for rank, count in counts.items():
+            last, since = self._beats[rank]
+            if count < 0:
+                continue  # shut down cleanly
+            if count != last:
+                self._beats[rank] = (count, now)
+            elif rank not in known and now - since > self.timeout:
+                failures.append(Failure(rank, f"stopped responding (no heartbeat for "
+                                              f"{now - since:.1f} s, timeout {self.timeout:g} s)"))
+        return failures
+
+    def posted(self) -> list[Failure]:
+        """Failures that ranks posted themselves (an exception they raised)."""
+        if self.store.add(f"{_PREFIX}board", 0) == 0:
+            return []
+        out = []
+        for rank in self.peers:
+            key = f"{_PREFIX}failed/{rank}"
+            if self.store.check([key]):
+                out.append(Failure(rank, self.store.get(key).decode()))
+        return out
+
+    def _dead_local_peers(self, cached_only: bool = False) -> list[int]:
+        if self._local_pids is None:
+            if cached_only:
+                return []
+            pids = {}
+            for rank in self.peers:
+                key = f"{_PREFIX}pid/{rank}"
+                if not self.store.check([key]):
+                    return []  # not every peer has started its watchdog yet
+                host, _, pid = self.store.get(key).decode().rpartition(":")
+                if host == self.host:
+                    pids[rank] = int(pid)
+            self._local_pids = pids
+        return [rank for rank, pid in self._local_pids.items() if not _pid_alive(pid)]
+
+    def diagnose(self, wait: float) -> list[Failure]:
+        """After a collective failed here: find the culprit, giving peers `wait` seconds to show life."""
+        deadline = time.monotonic() + wait
+        start = {}
+        while True:
+            try:
+                failures = self.check()
+                if failures:
+                    return failures
+                counts = {r: self.store.add(f"{_PREFIX}hb/{r}", 0) for r in self.peers}
+            except Exception as exc:  # noqa: BLE001
+                return [self._store_lost(exc)]
+            start = start or counts
+            if time.monotonic() >= deadline:
+                # The job already failed, so a peer silent for the whole window is the suspect.
+                return [Failure(r, "stopped responding (no heartbeat while this rank waited "
+                                   f"{wait:.1f} s after the collective failed)")
+                        for r in self.peers if 0 <= counts[r] == start[r]]
+            time.sleep(self.interval / 2)
+
+    # ---- reporting -------------------------------------------------------------------------
+    def post(self, cause: str) -> None:
+        """Tell every peer that this rank failed with `cause`, and give them a moment to report."""
+        try:
+            self.store.set(f"{_PREFIX}failed/{self.rank}", cause)
+            self.store.add(f"{_PREFIX}board", 1)
+            # Peers report before this process exits, so the launcher (which stops every rank
+            # once one exits) does not cut their messages off.
+            deadline = time.monotonic() + min(self.timeout, 3 * self.interval + 1)
+            while time.monotonic() < deadline:
+                if self.store.add(f"{_PREFIX}acks", 0) >= self.world_size - 1:
+                    break
+                time.sleep(self.interval / 2)
+        except Exception:  # noqa: BLE001 - the store may be gone with a peer; nothing to tell
+            pass
+
+    def survivor_message(self, failures: list[Failure]) -> str:
+        """The error a rank left behind by `failures` prints."""
+        culprits = "; ".join(str(f) for f in failures)
+        return (f"shardkit: {culprits}. Rank {self.rank} stops too; it was in {where.describe()} "
+                f"when the failure was noticed. HINT: the failed rank's own error is the cause; "
+                f"the time to notice is bounded by timeout={self.timeout:g} s "
+                "(shardkit.init(timeout=...) or SHARDKIT_TIMEOUT)")
+
+    def exit_as_survivor(self, failures: list[Failure]) -> None:
+        """Print who failed and where this rank was, then end the process (it may be stuck in C++)."""
+        with self._lock:
+            if self._reported:
+                return
+            self._reported = True
+        emit(self.survivor_message(failures))
+        self.acknowledge()
+        self.linger(failures)
+        os._exit(PEER_FAILED_EXIT)
+
+    def linger(self, failures: list[Failure]) -> None:
+        """As the store's host, stay until every other survivor has reported (bounded)."""
+        if not self.hosts_store:
+            return
+        failed = {f.rank for f in failures}
+        deadline = time.monotonic() + min(self.timeout, 5.0)
+        try:
+            while time.monotonic() < deadline:
+                if all(r in failed or self.store.add(f"{_PREFIX}hb/{r}", 0) < 0
+                       for r in self.peers):
+                    return
+                time.sleep(self.interval / 2)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def claim_report(self) -> bool:
+        """Return True once: the caller, not the thread, reports this rank's failure."""
+        with self._lock:
+            if self._reported:
+                return False
+            self._reported = True
+            return True
+
+    def acknowledge(self) -> None:
+        """Count this rank as having reported a peer's failure (and not as a failure itself)."""
+        try:
+            self.store.add(f"{_PREFIX}hb/{self.rank}", _DONE)
+            self.store.add(f"{_PREFIX}acks", 1)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def emit(message: str) -> None:
+    """Write a failure report to stderr and, when set, to the file SHARDKIT_ERROR_FILE names."""
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    path = os.environ.get("SHARDKIT_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "a") as f:
+                f.write(message + "\n")
+        except OSError:
+            pass
+
+
+def default_store_client() -> Any | None:
+    """A second connection to the process group's store (its key prefix included), or None."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return store.clone() if hasattr(store, "clone") else store
+    except Exception:  # noqa: BLE001 - no store to share (HashStore of a lone rank, other backends)
+        return None
+
+
+def as_seconds(timeout: datetime.timedelta | float) -> float:
+    """A timeout in seconds, whatever form it was given in."""
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)

@@ -1,0 +1,68 @@
+"""Catch an optimizer built before shard(): on its first step, say so instead of training nothing.
+
+shard() replaces every parameter with this rank's shard, so an optimizer made earlier holds the
+old full tensors: they never get a gradient, and torch's optimizers silently skip them. A global
+optimizer step pre-hook checks each optimizer once (its first step) against the replaced
+parameters; once it passed, later steps cost one dictionary lookup. It also records the "optimizer step" phase
+for failure reports.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
+
+from ..errors import ShardkitError
+from ..failure import where
+from .plan import ParamPlan
+
+# id(original parameter) -> (weak reference to it, its name); ids are checked against the
+# reference, so a recycled id never matches.
+_replaced: dict[int, tuple[weakref.ref, str]] = {}
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+_hook: Any = None
+
+
+def remember_replaced(plans: list[ParamPlan]) -> None:
+    """Record the parameters shard() is about to replace, and install the step check once."""
+    global _hook
+    for plan in plans:
+        key = id(plan.param)
+        _replaced[key] = (weakref.ref(plan.param, lambda _, k=key: _replaced.pop(k, None)),
+                          plan.fqns[0])
+    if _hook is None:
+        _hook = (register_optimizer_step_pre_hook(_before_step),
+                 register_optimizer_step_post_hook(
+                     lambda *_: where.enter(None, "between optimizer step and forward")))
+
+
+def stale_names(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Names of the replaced (pre-shard) parameters that `optimizer` holds."""
+    names = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _replaced.get(id(p))
+            if entry is not None and entry[0]() is p:
+                names.append(entry[1])
+    return names
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    where.enter(None, "optimizer step")
+    if optimizer in _checked:
+        return
+    names = stale_names(optimizer)
+    if not names:
+        _checked[optimizer] = True  # clean: later steps skip the check
+    else:
+        shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ShardkitError(
+            f"{type(optimizer).__name__} was built before shardkit.shard(): it holds {len(names)} "
+            f"parameter(s) the model no longer uses ({shown}), so stepping it would train "
+            "nothing. HINT: create the optimizer after shard(), from the sharded model: "
+            "opt = torch.optim.AdamW(model.parameters(), ...)")
+
