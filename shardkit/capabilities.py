@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,9 @@ class Capabilities:
     # Reduce ops the collectives accept; the engine itself only ever asks for "sum".
     reduce_ops: frozenset[str] = frozenset({"sum", "max", "min"})
     supported_dtypes: frozenset[torch.dtype] = field(default=FLOAT_DTYPES)
+    # How long a rank waits on a silent peer before failing when the user sets no timeout: an
+    # accelerator job may keep peers waiting for minutes (first compile, autotune), a host job not.
+    default_timeout: datetime.timedelta = datetime.timedelta(minutes=10)
 
     def describe(self) -> dict[str, object]:
         """Return a JSON-friendly dict of the flags, for `shardkit info`."""
@@ -46,5 +50,6 @@ class Capabilities:
             "ranks_share_process": self.ranks_share_process,
             "torch_process_group": self.torch_process_group,
             "reduce_ops": sorted(self.reduce_ops),
+            "default_timeout_s": self.default_timeout.total_seconds(),
             "supported_dtypes": sorted(str(d).replace("torch.", "") for d in self.supported_dtypes),
         }

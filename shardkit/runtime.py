@@ -82,7 +82,7 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
                                 f"{existing.backend.name!r}; call shardkit.shutdown() before "
                                 f"initialising {be.name!r}")
         return existing
-    timeout = failure.resolve_timeout(timeout, be.device_type)
+    timeout = failure.resolve_timeout(timeout, be.capabilities.default_timeout)
     env = be.launch_env()
     device = be.normalize_device(device_id, env.local_rank)
     be.set_device(device)

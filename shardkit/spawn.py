@@ -111,9 +111,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | Backen
             return results
     import torch.multiprocessing as mp
 
-    from .failure import resolve_timeout
+    from .failure import DEFAULT_ACCELERATOR_TIMEOUT, resolve_timeout
 
-    grace = resolve_timeout(timeout, "accelerator").total_seconds() + 15.0
+    grace = resolve_timeout(timeout, DEFAULT_ACCELERATOR_TIMEOUT).total_seconds() + 15.0
     with tempfile.TemporaryDirectory(prefix="shardkit-spawn-") as result_dir:
         context = mp.start_processes(_rank_main, nprocs=nprocs, join=False, start_method="spawn",
                                      args=(fn, nprocs, free_port(), backend, args,

@@ -144,7 +144,7 @@ def checkpoint_errors(rank: int, world: int, root: str) -> dict:
     attempt("missing_dir", lambda: ck.load(os.path.join(root, "never-saved"), model))
     for name, kw in (("shallower", {"blocks": 1}), ("deeper", {"blocks": 3}), ("wider", {"dim": 16})):
         other, _ = make(**kw)
-        attempt(name, lambda: ck.load(good, other))
+        attempt(name, lambda other=other: ck.load(good, other))
     # The checkpoint from before the failed saves still loads, verifies and holds the step-1 state.
     fresh, fresh_opt = make()
     extra = ck.load(good, fresh, fresh_opt)

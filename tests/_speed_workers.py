@@ -49,7 +49,7 @@ def compile_run(rank: int, world: int) -> dict:
         compiled = compile_layers(model, {Block}, backend="aot_eager")
         graphs: list[int] = []
         losses = _train(model, rank,
-                        after_step=lambda step: graphs.append(counters["stats"]["unique_graphs"]))
+                        after_step=lambda step, graphs=graphs: graphs.append(counters["stats"]["unique_graphs"]))
         out[strategy] = {"eager": eager, "compiled": losses, "graphs_per_step": graphs,
                          "compiled_layers": len(compiled)}
     return out

@@ -9,7 +9,7 @@ from _failure_workers import disagreeing_models
 
 def test_disagreeing_ranks_are_refused_with_the_first_differences():
     results = shardkit.spawn(disagreeing_models, 3, 3, threads_per_rank=1, timeout=30)
-    for rank, out in enumerate(results):
+    for out in results:
         assert out["then_ok"]
         for case, text in out.items():
             if case == "then_ok":

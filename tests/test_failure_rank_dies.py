@@ -7,6 +7,7 @@ times-to-exit are written to SHARDKIT_FAILURE_TIMES (a JSON-lines file) when tha
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -87,12 +88,12 @@ def test_survivors_exit_naming_the_failed_rank(tmp_path, world, strategy, kind, 
 def test_timeout_comes_from_the_argument_then_the_environment(monkeypatch):
     monkeypatch.delenv("SHARDKIT_TIMEOUT", raising=False)
     assert resolve_timeout(None).total_seconds() == 30
-    assert resolve_timeout(None, "cpu").total_seconds() == 30
-    assert resolve_timeout(None, "gpu").total_seconds() == 600
+    assert resolve_timeout(None, datetime.timedelta(seconds=30)).total_seconds() == 30
+    assert resolve_timeout(None, datetime.timedelta(minutes=10)).total_seconds() == 600
     assert resolve_timeout(2.5).total_seconds() == 2.5
     monkeypatch.setenv("SHARDKIT_TIMEOUT", "7")
     assert resolve_timeout(None).total_seconds() == 7
-    assert resolve_timeout(None, "gpu").total_seconds() == 7
+    assert resolve_timeout(None, datetime.timedelta(minutes=10)).total_seconds() == 7
     assert resolve_timeout(3).total_seconds() == 3
     monkeypatch.setenv("SHARDKIT_TIMEOUT", "soon")
     with pytest.raises(shardkit.ShardkitError, match="SHARDKIT_TIMEOUT must be a positive number"):

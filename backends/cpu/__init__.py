@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
@@ -18,8 +19,10 @@ class CPUBackend(Backend):
     device_type = "cpu"
     priority = 0
     # gloo runs collectives on its own threads, so async handles overlap with compute.
+    # A host job has no first compile to wait for: a silent peer is dead after 30 s.
     capabilities = Capabilities(has_streams=False, async_collectives=True,
-                                supports_storage_resize=True, shard_alignment=1)
+                                supports_storage_resize=True, shard_alignment=1,
+                                default_timeout=datetime.timedelta(seconds=30))
 
     @override
     @classmethod

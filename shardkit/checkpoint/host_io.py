@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
+from typing_extensions import override
 
 from . import collective
 from .dcp_io import FlatChunk, FlatChunkSavePlanner, _MetadataUnpickler, load_chunks
@@ -34,6 +35,7 @@ _PLAN_GLOBALS = {
 
 
 class _PlanUnpickler(_MetadataUnpickler):
+    @override
     def find_class(self, module: str, name: str) -> Any:
         """DCP's plan types as well as its metadata types; everything else is refused."""
         if (module, name) in _PLAN_GLOBALS:

@@ -84,6 +84,7 @@ class GPTBlock(nn.Module):
         self.fc = nn.Linear(dim, 4 * dim)
         self.out = nn.Linear(4 * dim, dim)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return the block's output for hidden states of shape (batch, tokens, dim)."""
         b, t, c = x.shape
@@ -105,6 +106,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(GPTBlock(dim, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
 
+    @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Return next-token logits of shape (batch, tokens, vocab) for token ids (batch, tokens)."""
         pos = torch.arange(idx.shape[1], device=idx.device)

@@ -30,23 +30,24 @@ _previous_excepthook = None
 
 
 def resolve_timeout(timeout: datetime.timedelta | float | None,
-                    device_type: str = "cpu") -> datetime.timedelta:
-    """The job's timeout: the argument, else SHARDKIT_TIMEOUT (seconds), else the default.
+                    default: datetime.timedelta = DEFAULT_TIMEOUT) -> datetime.timedelta:
+    """The job's timeout: the argument, else SHARDKIT_TIMEOUT (seconds), else `default`.
 
-    The default is DEFAULT_TIMEOUT (30 s) on host devices, DEFAULT_ACCELERATOR_TIMEOUT otherwise.
+    init() passes the backend's `capabilities.default_timeout` (30 s on cpu, 10 min elsewhere).
     """
     source = "timeout"
-    if timeout is None and os.environ.get(TIMEOUT_ENV):
-        timeout, source = os.environ[TIMEOUT_ENV], TIMEOUT_ENV
-    if timeout is None:
-        return DEFAULT_TIMEOUT if device_type == "cpu" else DEFAULT_ACCELERATOR_TIMEOUT
+    given: datetime.timedelta | float | str | None = timeout
+    if given is None and os.environ.get(TIMEOUT_ENV):
+        given, source = os.environ[TIMEOUT_ENV], TIMEOUT_ENV
+    if given is None:
+        return default
     try:
-        seconds = as_seconds(timeout)
+        seconds = as_seconds(given)
     except (TypeError, ValueError):
         seconds = float("nan")
     if not seconds > 0:
         raise ShardkitError(f"{source} must be a positive number of seconds or a timedelta, got "
-                            f"{timeout!r}; e.g. shardkit.init(timeout=60) or {TIMEOUT_ENV}=60")
+                            f"{given!r}; e.g. shardkit.init(timeout=60) or {TIMEOUT_ENV}=60")
     return datetime.timedelta(seconds=seconds)
 
 

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from typing_extensions import override
+
 from . import where
 
 # The exit status of a rank that stops because another rank failed (not because of itself).
@@ -36,6 +38,7 @@ class Failure:
     rank: int
     cause: str
 
+    @override
     def __str__(self) -> str:
         return f"rank {self.rank} {self.cause}"
 
@@ -195,7 +198,7 @@ class Watchdog:
     def diagnose(self, wait: float) -> list[Failure]:
         """After a collective failed here: find the culprit, giving peers `wait` seconds to show life."""
         deadline = time.monotonic() + wait
-        start = {}
+        start: dict[int, Any] = {}
         while True:
             try:
                 failures = self.check()
@@ -306,7 +309,7 @@ def default_store_client() -> Any | None:
         return None
 
 
-def as_seconds(timeout: datetime.timedelta | float) -> float:
+def as_seconds(timeout: datetime.timedelta | float | str) -> float:
     """A timeout in seconds, whatever form it was given in."""
     if isinstance(timeout, datetime.timedelta):
         return timeout.total_seconds()

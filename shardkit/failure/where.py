@@ -7,7 +7,7 @@ from __future__ import annotations
 _where: list = [None, None]
 
 
-def enter(unit: str | None, phase: str) -> None:
+def enter(unit: str | None, phase: str | None) -> None:
     """Record that this rank is now running `unit` (a unit name, or None) in `phase`."""
     _where[0] = unit
     _where[1] = phase

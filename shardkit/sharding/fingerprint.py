@@ -62,7 +62,7 @@ def _gather(store: Any, prefix: str, world: Group) -> list[str]:
     for rank in range(world.size):
         try:
             store.wait([f"{prefix}{rank}"])
-        except Exception as exc:  # noqa: BLE001 - the store's own timeout (shardkit's timeout)
+        except Exception as exc:  # the store's own timeout (shardkit's timeout)
             raise ShardkitError(f"rank {rank} did not reach shardkit.shard() in time ({exc}); "
                                 "HINT: every rank must call shard() on its model") from exc
         out.append(store.get(f"{prefix}{rank}").decode())

@@ -9,6 +9,7 @@ at the step where it happens instead of as wrong numbers later.
 from __future__ import annotations
 
 from enum import Enum
+from typing import TypeVar
 
 from ..errors import ShardkitError
 
@@ -31,6 +32,7 @@ class TrainingState(Enum):
     POST_BACKWARD = "post_backward"  # backward reached the unit; nothing left to reduce this pass
 
 
+_State = TypeVar("_State", ShardedState, TrainingState)
 S, T = ShardedState, TrainingState
 SHARDED_MOVES = {
     S.SHARDED: {S.GATHERING, S.UNSHARDED},
@@ -47,7 +49,7 @@ TRAINING_MOVES = {
 }
 
 
-def advance(name: str, current: Enum, new: Enum, moves: dict) -> Enum:
+def advance(name: str, current: _State, new: _State, moves: dict) -> _State:
     """Return `new` if the move from `current` is allowed (staying put always is), else raise."""
     if new is not current and new not in moves[current]:
         raise ShardkitError(f"internal error: unit {name!r} cannot go from {current.name} to "

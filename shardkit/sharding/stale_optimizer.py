@@ -10,7 +10,7 @@ for failure reports.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
@@ -27,17 +27,26 @@ _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.Wea
 _hook: Any = None
 
 
+def _forget(key: int) -> Callable[[Any], None]:
+    # The id of a collected parameter may be reused by a new one: drop it with the parameter.
+    def drop(_ref: Any) -> None:
+        _replaced.pop(key, None)
+    return drop
+
+
 def remember_replaced(plans: list[ParamPlan]) -> None:
     """Record the parameters shard() is about to replace, and install the step check once."""
     global _hook
     for plan in plans:
         key = id(plan.param)
-        _replaced[key] = (weakref.ref(plan.param, lambda _, k=key: _replaced.pop(k, None)),
-                          plan.fqns[0])
+        _replaced[key] = (weakref.ref(plan.param, _forget(key)), plan.fqns[0])
     if _hook is None:
         _hook = (register_optimizer_step_pre_hook(_before_step),
-                 register_optimizer_step_post_hook(
-                     lambda *_: where.enter(None, "between optimizer step and forward")))
+                 register_optimizer_step_post_hook(_after_step))
+
+
+def _after_step(*_: Any) -> None:
+    where.enter(None, "between optimizer step and forward")
 
 
 def stale_names(optimizer: torch.optim.Optimizer) -> list[str]:
