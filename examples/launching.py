@@ -28,5 +28,6 @@ def run(fn: Callable[[int, Any], None], args: argparse.Namespace) -> None:
             shardkit.shutdown()
         return
     backend = shardkit.get_backend(args.backend)
-    nproc = args.nproc or (2 if backend.device_type == "cpu" else max(backend.device_count(), 1))
+    limit = backend.max_local_ranks()  # None: ranks share the host, so 2 show the sharding
+    nproc = args.nproc or (2 if limit is None else max(limit, 1))
     shardkit.spawn(fn, nproc, args, backend=backend.name)

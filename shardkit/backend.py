@@ -3,6 +3,9 @@
 A plugin subclasses `Backend` and fills in the seven required members; everything else has a
 default built on stock torch (`torch.distributed`, `torch.get_device_module`, `torch.Stream`).
 Defaults never name a vendor: a backend that needs something special overrides one method.
+Every optional member is called by the engine (sharding/, checkpoint/), runtime/spawn or the
+CLI; the one that is not (reset_peak_memory) says so. Ranks per machine come from
+max_local_ranks(): one per device by default, None (unlimited) where ranks share a host.
 """
 
 from __future__ import annotations
@@ -129,10 +132,6 @@ class Backend:
         """Return True when parameters and collectives of this dtype work on this backend."""
         return dtype in self.capabilities.supported_dtypes
 
-    def visible_devices_env(self) -> str | None:
-        """Return the env var a launcher sets to pin devices per process, if there is one."""
-        return None
-
     # ---- streams and events (null objects when the device has none) --------------------------
     def new_stream(self, device: torch.device) -> Any:
         """Return a new stream on `device`, or a NullStream."""
@@ -200,7 +199,7 @@ class Backend:
         return [t.detach().cpu() for t in tensors]
 
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
-        """Return current and peak memory in bytes: {"allocated": .., "peak": ..}."""
+        """Return current and peak memory in bytes: {"allocated": .., "peak": ..} (the demo's memory report)."""
         module = self.device_module()
         if hasattr(module, "max_memory_allocated"):
             return {"allocated": int(module.memory_allocated(device)),
@@ -208,7 +207,7 @@ class Backend:
         return process_memory()
 
     def reset_peak_memory(self, device: torch.device | None = None) -> None:
-        """Start a new peak-memory window where the device allows it."""
+        """Start a new peak-memory window where the device allows it (for users timing phases; the engine never calls it)."""
         module = self.device_module()
         if hasattr(module, "reset_peak_memory_stats"):
             module.reset_peak_memory_stats(device)

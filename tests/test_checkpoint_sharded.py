@@ -21,7 +21,7 @@ import shardkit.checkpoint as ck
 from shardkit import wrap
 from shardkit.sharding import shard, shard_views
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # every test spawns ranks
 
 DIM, BLOCKS, GLOBAL_BATCH = 64, 12, 12
 

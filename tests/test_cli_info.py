@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pluggy
@@ -183,6 +184,7 @@ def test_info_shows_third_party_and_failed_plugins(fake_plugins: list[str],
     assert "shardkit_broken_plugin.py" in failed[0]["traceback"]
 
 
+@pytest.mark.slow
 def test_console_script_and_module_entry(fake_plugin_paths: list[str]) -> None:
     """The installed `shardkit` script and `python -m shardkit` run; strict mode fails with status 1."""
     script = Path(sys.executable).with_name("shardkit")
@@ -197,3 +199,22 @@ def test_console_script_and_module_entry(fake_plugin_paths: list[str]) -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.startswith("shardkit: error: plugin 'broken'") and "libfrobnicate" in proc.stderr
+
+
+
+def test_commands_import_only_their_own_module() -> None:
+    """With the demo package unimportable (as when a wheel lacked it), every other command still works."""
+    code = textwrap.dedent("""
+        import json, sys
+        sys.modules["shardkit.demo"] = None  # any import of the demo now fails
+        from shardkit.cli.main import main
+        assert main(["info", "--json"]) == 0
+        assert main([]) == 0  # the help lists demo without importing it
+        try:
+            main(["demo", "--epochs", "1"])
+        except ImportError:
+            print("demo refused")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert '"default_backend"' in proc.stdout and "demo refused" in proc.stdout

@@ -19,7 +19,9 @@ _cache = ConformanceCache()
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend,world_size,check", conformance_cases(AVAILABLE))
+@pytest.mark.parametrize("backend,world_size,check", [
+    pytest.param(*case, marks=pytest.mark.slow) if case[1] > 1 else case
+    for case in conformance_cases(AVAILABLE)])
 def test_backend_conforms(backend: str, world_size: int, check: str) -> None:
     """One conformance check of one available backend at one world size."""
     try:
@@ -53,6 +55,7 @@ class MiswiredBackend(CPUBackend):
         return super().broadcast(tensor, 0, group, async_op)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_suite_catches_a_miswired_backend() -> None:
     """The checks fail exactly where the backend is wrong and pass everywhere else."""

@@ -70,6 +70,7 @@ def test_flags_reach_the_config():
         _parse(["--model", "resnet"])
 
 
+@pytest.mark.slow
 def test_two_rank_full_shard_demo_learns_and_prints_consistent_memory(capfd):
     from shardkit.cli.main import main
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,7 @@ def test_ddp_replicate_example_learns():
     assert last < 0.3 * first, (first, last)
 
 
+@pytest.mark.slow
 def test_mnist_example_learns_and_saves_the_full_model(tmp_path):
     saved = tmp_path / "mnist_cnn.pt"
     out = run_example("mnist_fsdp", "--backend", "cpu", "--nproc", "2", "--epochs", "2",
@@ -75,6 +77,7 @@ def _epochs(out: str) -> list[tuple[float, float]]:
             re.findall(r"Epoch \d+: train loss ([\d.]+), validation loss ([\d.]+)", out)]
 
 
+@pytest.mark.slow
 def test_transformer_example_learns_in_bf16_and_saves_a_full_checkpoint(tmp_path):
     saved = tmp_path / "best.pt"
     out = run_example("transformer_fsdp", "--backend", "cpu", "--nproc", "2", "--epochs", "2",

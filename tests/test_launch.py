@@ -99,6 +99,7 @@ DUMP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_script_arguments_pass_through_untouched(tmp_path):
     script = tmp_path / "dump.py"
     script.write_text(DUMP_SCRIPT)
@@ -110,6 +111,7 @@ def test_script_arguments_pass_through_untouched(tmp_path):
                     "WORLD_SIZE": "1", "LOCAL_RANK": "0", "SHARDKIT_BACKEND": "cpu"}
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine_equal_one_node_of_the_same_world_size(tmp_path):
     steps = ["--steps", "6"]
     port = str(free_port())

@@ -139,6 +139,7 @@ TORCHRUN_WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_torchrun_two_processes_all_reduce(tmp_path: Path) -> None:
     """`python -m torch.distributed.run --nproc_per_node 2` + shardkit.init() + all_reduce."""

@@ -57,6 +57,7 @@ def test_toygloo_defines_only_the_required_members(fake_plugins: list[str]) -> N
     assert own == REQUIRED_MEMBERS | {"max_local_ranks"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_toygloo_passes_conformance(fake_plugins: list[str]) -> None:
     """The suite plugin authors run, on toygloo in two spawned processes."""

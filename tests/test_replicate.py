@@ -70,6 +70,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
+@pytest.mark.slow
 def test_ddp_through_replicate_matches_unsharded_training():
     data = batches()
     results = shardkit.spawn(train_replicated, WORLD, OPTIMIZERS, data, backend="cpu",

@@ -1,10 +1,13 @@
-"""shard() keeps names and exposes the engine <-> checkpoint contract (team/CONTRACT.md)."""
+"""shard() keeps names and exposes the engine <-> checkpoint contract (shardkit/sharding/views.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from _sharding_workers import spawn_suite
+
+pytestmark = pytest.mark.slow  # multi-process: runs by default, skipped by -m 'not slow'
 
 TINYNET_PARAMS = 30
 

@@ -4,9 +4,13 @@ lazy-tensor device such as XLA declares) must train exactly like the unsharded r
 
 from __future__ import annotations
 
+import pytest
+
 import shardkit
 
 from _sharding_workers import LazyLikeCPU, lazy_like_suite
+
+pytestmark = pytest.mark.slow  # multi-process: runs by default, skipped by -m 'not slow'
 
 
 def test_no_storage_resize_sync_collectives_barriers_and_alignment():

@@ -6,6 +6,8 @@ import pytest
 
 from _sharding_workers import spawn_suite
 
+pytestmark = pytest.mark.slow  # multi-process: runs by default, skipped by -m 'not slow'
+
 FP32 = 4
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from _sharding_workers import spawn_suite
 
+pytestmark = pytest.mark.slow  # multi-process: runs by default, skipped by -m 'not slow'
+
 TOL = 1e-5  # fp32 Adam; observed differences are below 1.1e-6
 UNITS = 3  # TinyNet with transformer_layers({Block}): two blocks + the root
 

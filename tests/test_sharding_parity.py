@@ -11,6 +11,8 @@ import pytest
 
 from _sharding_workers import spawn_suite
 
+pytestmark = pytest.mark.slow  # multi-process: runs by default, skipped by -m 'not slow'
+
 TOL = 1e-5  # fp32 AdamW; observed differences are ~5e-7 (summation order of the gradient mean)
 
 

@@ -78,11 +78,6 @@ class CUDABackend(Backend):
         return torch.cuda.device_count()
 
     @override
-    def visible_devices_env(self) -> str | None:
-        """Launchers pin GPUs per process with CUDA_VISIBLE_DEVICES."""
-        return "CUDA_VISIBLE_DEVICES"
-
-    @override
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         """bf16 exactly when the T5 tutorial's bf16_ready holds, but counting only native bf16.
 

@@ -85,11 +85,6 @@ class XPUBackend(Backend):
         return int(self.device_module().device_count())
 
     @override
-    def visible_devices_env(self) -> str | None:
-        """Level Zero pins devices per process with ZE_AFFINITY_MASK."""
-        return "ZE_AFFINITY_MASK"
-
-    @override
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         """bf16 as torch.xpu reports it; float64 only where the GPU has native fp64 (not Arc A-series)."""
         module = self.device_module()

@@ -1,4 +1,23 @@
-"""The engine <-> checkpoint contract (/work/team/CONTRACT.md): what a sharded model exposes."""
+"""The engine <-> checkpoint contract: what a sharded model exposes to shardkit.checkpoint.
+
+Checkpointing reads and writes a sharded model only through these five names, so the engine's
+internals can change without touching checkpoint code:
+
+- ``ShardView`` (frozen): one parameter as checkpointing sees it. ``fqn`` is its state_dict name;
+  ``full_shape``/``dtype`` the original tensor; ``param`` the 1-D sharded nn.Parameter the
+  optimizer steps (its state is keyed by it); this rank holds elements
+  ``[offset, offset + valid_numel)`` of the flattened full tensor in ``param[:valid_numel]``, the
+  rest of its ``shard_numel`` elements being zero padding; ``shard_group``/``replica_group`` say
+  which ranks hold the other slices (replica None: no replication); tied names give one view each.
+- ``shard_views(model)``: every view, in state_dict order (buffers are not included: they are
+  full and replicated, and read from the module as usual).
+- ``iter_unit_full_params(model)``: collective; yields ``(fqns, {fqn: full tensor})`` one unit at
+  a time, in master dtype; a unit's tensors are freed when the iterator advances.
+- ``load_full_param_(model, fqn, full)``: copies this rank's slice of a full tensor into the shard,
+  no communication; refuses a name that is not a sharded parameter.
+- ``sharding_info(model)``: ``world_size``, ``strategy``, ``shard_group_size``,
+  ``replica_group_size``, recorded in checkpoint manifests.
+"""
 
 from __future__ import annotations
 
