@@ -60,7 +60,7 @@ def test_optimizer_built_before_shard_fails_on_its_first_step(results):
 def test_device_index_out_of_range_on_a_backend_with_indices():
     class TwoDevices(CPUBackend):
         name = "two-devices"
-        _indexed = Backend._indexed
+        indexed_device = Backend.indexed_device
 
         def device_count(self) -> int:
             return 2

@@ -79,8 +79,9 @@ def test_survivors_exit_naming_the_failed_rank(tmp_path, world, strategy, kind, 
         report = err.reports[rank]
         assert err.exitcodes[rank] == PEER_FAILED_EXIT, report
         assert re.search(cause, report), report
-        assert re.search(rf"Rank {rank} stops too; it was in unit '[^']+', (forward|backward)",
-                         report), report
+        # A survivor slower than the victim may still be in its own optimizer step when it notices.
+        assert re.search(rf"Rank {rank} stops too; it was in (unit '[^']+', (forward|backward)|"
+                         r"optimizer step)", report), report
         assert report in str(err)  # the parent's message carries every survivor's report
         assert 0 <= times[rank] < EXIT_BOUND_S, times
 

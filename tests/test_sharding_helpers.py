@@ -101,13 +101,18 @@ def test_pack_grads_lays_out_padded_rows(group_size: int) -> None:
 
 @pytest.mark.parametrize("group_size", [1, 3, 4, 7])
 def test_copy_out_restores_the_full_tensors_from_gathered_rows(group_size: int) -> None:
-    """copy_out is the inverse of the layout: gathered rows give back the original shapes and values."""
+    """copy_out is the inverse of the layout: gathered rows give back the original values.
+
+    Each target is the parameter's padded flat buffer (padded_numel elements); its first numel
+    elements are the full tensor and the padding lands in the tail.
+    """
     params = _params(group_size)
     fulls = [torch.randn(s) for s in ODD_SHAPES]
-    targets = [torch.full(s, float("nan")) for s in ODD_SHAPES]
+    targets = [torch.full((p.padded_numel,), float("nan")) for p in params]
     copy_out(params, _rows_reference(list(fulls), group_size).reshape(-1), targets, group_size)
-    for got, want in zip(targets, fulls):
-        assert torch.equal(got, want)
+    for p, got, want in zip(params, targets, fulls):
+        assert p.padded_numel == math.ceil(want.numel() / group_size) * group_size
+        assert torch.equal(got[:want.numel()].view(want.shape), want)
 
 
 # ---- divide factors ------------------------------------------------------------------------------

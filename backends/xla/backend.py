@@ -21,6 +21,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 import torch
+from typing_extensions import override
 
 from shardkit import Backend, Capabilities
 from shardkit.backend import check_flat_sizes, copy_locally, process_memory
@@ -61,27 +62,32 @@ class XLABackend(Backend):
         supported_dtypes=frozenset({torch.float32, torch.bfloat16}))
 
     # ---- availability ---------------------------------------------------------------------------
+    @override
     @classmethod
     def is_available(cls) -> bool:
         """True when torch_xla is importable."""
         return importlib.util.find_spec("torch_xla") is not None
 
+    @override
     @classmethod
     def unavailable_reason(cls) -> str:
         """torch_xla is not installed."""
         return "torch_xla is not installed"
 
+    @override
     @classmethod
     def auto_select_now(cls) -> bool:
         """Only when PJRT_DEVICE says which XLA device to use: torch_xla must not hijack other boxes."""
         return bool(os.environ.get("PJRT_DEVICE"))
 
+    @override
     @classmethod
     def requirement_hint(cls) -> str:
         """torch_xla must match torch exactly."""
         return ("pip install 'shardkit[xla]' (torch_xla needs the torch of the same version, e.g. "
                 "torch==2.9.0 torch_xla==2.9.0) and set PJRT_DEVICE (TPU, or CPU for testing)")
 
+    @override
     @classmethod
     def versions(cls) -> dict[str, str]:
         """torch, torch_xla and the PJRT device type asked for."""
@@ -95,35 +101,42 @@ class XLABackend(Backend):
         return out
 
     # ---- devices ------------------------------------------------------------------------------
+    @override
     def local_device(self, local_rank: int) -> torch.device:
         """The device torch_xla assigned to this process or device thread."""
         import torch_xla
 
         return torch.device(str(torch_xla.device()))
 
+    @override
     def device_count(self) -> int:
         """Addressable XLA devices in this process."""
         return int(_xr().addressable_runtime_device_count())
 
+    @override
     def max_local_ranks(self) -> int | None:
         """PJRT_DEVICE=CPU makes as many devices as asked (CPU_NUM_DEVICES); otherwise the chips there are."""
         if os.environ.get("PJRT_DEVICE", "").upper() == "CPU":
             return None
         return self.device_count()
 
+    @override
     def set_device(self, device: torch.device) -> None:
         """Make `device` this thread's default XLA device."""
         threads.use_device(device)
 
+    @override
     def synchronize(self, device: torch.device | None = None) -> None:
         """Wait until every graph dispatched to the device has run."""
         threads.wait_device(device if device is not None else self.local_device(0))
 
+    @override
     def process_group_backend(self) -> str:
         """torch_xla's process group (used only for DDP, see ddp_kwargs)."""
         return "xla"
 
     # ---- the job --------------------------------------------------------------------------------
+    @override
     def launch_env(self) -> LaunchEnv:
         """Each device (thread or process) is a rank: ordinals come from torch_xla.runtime."""
         xr = _xr()
@@ -133,6 +146,7 @@ class XLABackend(Backend):
                          local_world_size=int(xr.local_device_count()) if world > 1 else 1,
                          master_addr="127.0.0.1", master_port=None, launcher="torch_xla")
 
+    @override
     def init_process_group(self, env: LaunchEnv, timeout: datetime.timedelta) -> Group:
         """Build this rank's world group; no torch.distributed group is needed for shardkit's collectives."""
         _local.groups_made = 0
@@ -151,6 +165,7 @@ class XLABackend(Backend):
         handle = threads.ThreadGroup(me, ranks, device, barrier, replica)
         return Group(ranks.index(me), len(ranks), ranks, handle)
 
+    @override
     def world_group(self) -> Group:
         """The group of all ranks, for this thread."""
         from shardkit.runtime import current_context
@@ -161,6 +176,7 @@ class XLABackend(Backend):
                                 "in this device thread")
         return ctx.world
 
+    @override
     def new_group(self, ranks: Sequence[int]) -> Group:
         """A subgroup as an XLA replica group; every rank must call this with the same ranks, in the same order."""
         ranks = tuple(sorted(int(r) for r in ranks))
@@ -183,6 +199,7 @@ class XLABackend(Backend):
         _local.groups_made = getattr(_local, "groups_made", 0) + 1
         return self._group(ranks, int(_xr().global_ordinal()), index=_local.groups_made)
 
+    @override
     def shutdown(self) -> None:
         """Wait for this device's work, and destroy torch's "xla" group if DDP made one."""
         import torch.distributed as dist
@@ -215,6 +232,7 @@ class XLABackend(Backend):
         threads.run_collective_graph([result], handle)
         return result
 
+    @override
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                                async_op: bool = False) -> Work:
         """Concatenate every rank's `input` into `output` along dim 0, in group rank order."""
@@ -228,6 +246,7 @@ class XLABackend(Backend):
         output.copy_(gathered.view(output.shape))
         return CompletedWork()
 
+    @override
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                               op: str = ReduceOp.SUM, async_op: bool = False) -> Work:
         """Reduce `input` across ranks and leave this rank's equal slice in `output`."""
@@ -240,6 +259,7 @@ class XLABackend(Backend):
         output.copy_(part.view(output.shape))
         return CompletedWork()
 
+    @override
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = ReduceOp.SUM,
                    async_op: bool = False) -> Work:
         """Reduce `tensor` across ranks in place."""
@@ -254,6 +274,7 @@ class XLABackend(Backend):
         tensor.copy_(self._collective(group, tensor, trace).view(tensor.shape))
         return CompletedWork()
 
+    @override
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Work:
         """Copy `tensor` from group rank `src` to every rank of the group, in place."""
         if group.size == 1:
@@ -270,6 +291,7 @@ class XLABackend(Backend):
         tensor.copy_(self._collective(group, tensor, trace).view(tensor.shape))
         return CompletedWork()
 
+    @override
     def barrier(self, group: Group) -> None:
         """Block until every rank of the group has reached this call (and its device work ran)."""
         if group.size == 1:
@@ -283,18 +305,21 @@ class XLABackend(Backend):
         self.all_reduce(ones, group)
 
     # ---- lazy-tensor specifics ------------------------------------------------------------------
+    @override
     def compiler_barrier(self, tensors: Sequence[torch.Tensor]) -> None:
         """xm.optimization_barrier_: keeps XLA's CSE from fusing a gather with the free after it."""
         tensors = [t for t in tensors if t.device.type == "xla"]
         if tensors:
             _xm().optimization_barrier_(tensors)
 
+    @override
     def step_boundary(self) -> None:
         """Cut and run this device's graph (torch_xla.sync, serialised with the other device threads)."""
         import torch_xla
 
         threads.sync_device(torch.device(torch_xla._XLAC._xla_get_default_device()))
 
+    @override
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Host copies of `tensors`, all run as one graph first (not one compile per tensor)."""
         on_device = [t.detach() for t in tensors if t.device.type == "xla"]
@@ -302,6 +327,7 @@ class XLABackend(Backend):
             threads.flush(on_device, on_device[0].device)
         return [t.detach().cpu() for t in tensors]
 
+    @override
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
         """Device bytes in use and peak from xm.get_memory_info; process memory where XLA has none (CPU)."""
         try:
@@ -311,10 +337,12 @@ class XLABackend(Backend):
         except Exception:  # noqa: BLE001 - the CPU client reports no memory info
             return process_memory()
 
+    @override
     def reset_peak_memory(self, device: torch.device | None = None) -> None:
         """XLA has no peak-memory reset; nothing to do."""
 
     # ---- torch's own wrappers and launching ------------------------------------------------------
+    @override
     def ddp_kwargs(self, device: torch.device) -> dict[str, Any]:
         """gradient_as_bucket_view=True (XLA tensors have no storage) and torch_xla's process group."""
         import torch.distributed as dist
@@ -331,12 +359,14 @@ class XLABackend(Backend):
         return {"gradient_as_bucket_view": True,
                 "process_group": dist.distributed_c10d._get_default_group()}
 
+    @override
     def spawn_ranks(self, body: Callable[..., Any], nprocs: int, args: tuple) -> list[Any] | None:
         """Run `body(rank, *args)` on `nprocs` XLA devices as torch_xla device threads."""
         from .spawn import spawn_device_threads
 
         return spawn_device_threads(body, nprocs, args)
 
+    @override
     def launch_command(self, nproc_per_node: str, launcher_args: Sequence[str],
                        script_argv: Sequence[str]) -> list[str]:
         """torch_xla's launcher (torch_xla.launch, one rank per device) wrapped as a command."""

@@ -87,7 +87,7 @@ def copy_in(params: Sequence[ShardedParam], inp: torch.Tensor, sizes: Sequence[i
         return
     # One foreach copy casts to the row's dtype on the way: the unit is cast once, not per
     # parameter through temporaries.
-    torch._foreach_copy_(list(torch.split(inp, sizes)), shards)
+    torch._foreach_copy_(list(torch.split(inp, list(sizes))), shards)
 
 
 def copy_out(params: Sequence[ShardedParam], output: torch.Tensor,

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from typing_extensions import override
 
 from ..failure import where
 from .state import ShardState
@@ -16,12 +17,14 @@ from .unit import ShardUnit
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the unit's whole backward is done."""
 
+    @override
     @staticmethod
     def forward(ctx, unit: ShardUnit, *inputs: torch.Tensor):
         """Pass the inputs through unchanged, remembering the unit."""
         ctx.unit = unit
         return inputs
 
+    @override
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         """Grads reached the unit's inputs: once every forward call's backward is done, reduce."""

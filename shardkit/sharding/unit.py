@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from .collectives import (PendingGather, PendingReduce, copy_out, divide_factors, finish_reduce,
                           pack_grads, start_all_gather, start_reduce_scatter)
@@ -50,6 +51,7 @@ class ShardUnit:
                             for k in ("pre_forward", "post_forward", "pre_backward",
                                       "post_backward", "unshard", "wait_unshard", "reduce")}
 
+    @override
     def __repr__(self) -> str:
         return f"<ShardUnit {self.name} params={len(self.params)}>"
 
@@ -204,6 +206,8 @@ class ShardUnit:
         """Put the original-dtype buffers back, keeping updates forward made (running stats)."""
         with torch.no_grad():
             for module, name, original in self._stashed_buffers:
-                original.copy_(module._buffers[name])
+                current = module._buffers[name]
+                assert current is not None, name  # cast_buffers put a tensor there
+                original.copy_(current)
                 module._buffers[name] = original
         self._stashed_buffers = []
