@@ -149,12 +149,17 @@ def test_shardkit_launch_exits_non_zero_with_the_culprit(tmp_path, kind):
     else:  # torchrun names the root cause; the others say where they were
         assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", out), out[-3000:]
         cause = r"rank 1 died \(its process is gone[^)]*\)"
-    for survivor in (0, 2):
+    said = [survivor for survivor in (0, 2) if re.search(
         # Either it noticed first, or the launcher's SIGTERM reached it first.
-        assert re.search(rf"{cause}\. Rank {survivor} stops too; it was in unit '[^']+', "
-                         rf"(forward|backward)|rank {survivor} was terminated \(SIGTERM; a "
-                         rf"launcher does this to every rank once one failed: {cause}\); it was "
-                         rf"in unit '[^']+', (forward|backward)", out), out[-4000:]
+        rf"{cause}\. Rank {survivor} stops too; it was in unit '[^']+', (forward|backward)|"
+        rf"rank {survivor} was terminated \(SIGTERM; a launcher does this to every rank once one "
+        rf"failed: {cause}\); it was in unit '[^']+', (forward|backward)", out)]
+    # torchrun SIGTERMs the survivors on its own schedule, so one of them may be gone before it
+    # could speak; at least one names the culprit and where it was, and none is left running.
+    assert said, out[-4000:]
+    for survivor in set((0, 2)) - set(said):
+        assert re.search(rf"rank\s*: {survivor} \(local_rank: {survivor}\)\s*exitcode\s*: "
+                         r"(-15|75)", out), out[-4000:]
     _record(("launch", 3, "FULL_SHARD", kind), {"all": round(ended - float(
         (tmp_path / "mark").read_text()), 3)})
 

@@ -25,6 +25,9 @@ DEFAULT_TIMEOUT = datetime.timedelta(seconds=30)
 # on one rank): the 10 minutes torch itself uses for accelerator process groups.
 DEFAULT_ACCELERATOR_TIMEOUT = datetime.timedelta(minutes=10)
 
+# How long a SIGTERMed rank waits for a report already being written (torchrun waits 30 s
+# before it escalates to SIGKILL).
+_SIGTERM_GRACE_S = 2.0
 _watchdog: Watchdog | None = None
 _previous_excepthook = None
 
@@ -84,7 +87,10 @@ def stop() -> None:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     wd = _watchdog
-    if wd is not None and wd.claim_report():
+    # Another path (the watchdog thread, or this thread's exception report that the signal just
+    # interrupted) may have claimed the report without printing it yet: give it a moment, then
+    # speak for this rank ourselves.
+    if wd is not None and (wd.claim_report() or not wd.report_written.wait(_SIGTERM_GRACE_S)):
         try:
             failures = wd.check()
         except Exception:  # noqa: BLE001 - the store may be gone too
@@ -92,6 +98,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         known = "; ".join(str(f) for f in failures) or "no failed rank known here"
         emit(f"shardkit: rank {wd.rank} was terminated (SIGTERM; a launcher does this to every "
              f"rank once one failed: {known}); it was in {where.describe()}")
+        wd.report_written.set()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)  # end by the signal, as without this handler
 
@@ -129,6 +136,7 @@ def on_exception(exc: BaseException) -> BaseException:
                 return exc
             message = wd.survivor_message(failures)
             emit(message)
+            wd.report_written.set()
             wd.acknowledge()
             wd.linger(failures)
             return PeerFailedError(message)
@@ -141,6 +149,7 @@ def on_exception(exc: BaseException) -> BaseException:
         return ShardkitError(message)
     if wd.claim_report():
         wd.post(f"raised {type(exc).__name__}: {exc} (in {where.describe()})")
+        wd.report_written.set()  # its own traceback is the report
     return exc
 
 

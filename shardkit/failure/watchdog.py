@@ -83,6 +83,9 @@ class Watchdog:
         self._store_errors = 0
         self._stop = threading.Event()
         self._reported = False
+        # Set once this rank's report is out: a SIGTERM that lands between another path's claim
+        # and its print must not end the process with nothing said.
+        self.report_written = threading.Event()
         self._lock = threading.Lock()
         store.set(f"{_PREFIX}pid/{rank}", f"{self.host}:{os.getpid()}")
         store.add(f"{_PREFIX}hb/{rank}", 1)
@@ -246,6 +249,7 @@ class Watchdog:
                 return
             self._reported = True
         emit(self.survivor_message(failures))
+        self.report_written.set()
         self.acknowledge()
         self.linger(failures)
         os._exit(PEER_FAILED_EXIT)
