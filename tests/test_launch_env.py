@@ -150,11 +150,21 @@ def test_torchrun_two_processes_all_reduce(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, env=clean_env(SHARDKIT_BACKEND="cpu"), capture_output=True,
                           text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    reports = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+    reports = sorted(_json_objects(proc.stdout),
                      key=lambda r: r["rank"])
     assert reports == [
         {"rank": r, "size": 2, "local": r, "launcher": "torchrun", "backend": "cpu",
          "sum": [3.0, 30.0]} for r in range(2)]
+
+
+def _json_objects(text: str) -> list[dict]:
+    """Every JSON object in `text`: two ranks share one stdout, so their lines may run together."""
+    decoder, found, at = json.JSONDecoder(), [], text.find("{")
+    while at != -1:
+        obj, end = decoder.raw_decode(text, at)
+        found.append(obj)
+        at = text.find("{", end)
+    return found
 
 
 BARE_WORKER = textwrap.dedent("""
