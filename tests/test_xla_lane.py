@@ -8,6 +8,7 @@ lane).
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 
@@ -147,8 +148,11 @@ import sys, torch, shardkit
 ctx = shardkit.init()
 t = torch.tensor([float(ctx.rank + 1)], device=ctx.device)
 ctx.backend.all_reduce(t, ctx.world).wait()
-print(f"rank {ctx.rank} of {ctx.world_size} on {ctx.device} backend {ctx.backend.name} "
-      f"sum {t.item()} args {sys.argv[1:]}", flush=True)
+# One write per line: the ranks are threads of one process, and print() writes the text and the
+# newline separately, so two ranks' lines could run together.
+sys.stdout.write(f"rank {ctx.rank} of {ctx.world_size} on {ctx.device} backend {ctx.backend.name} "
+                 f"sum {t.item()} args {sys.argv[1:]}\\n")
+sys.stdout.flush()
 shardkit.shutdown()
 """
 
@@ -164,6 +168,7 @@ def test_launch_runs_the_script_on_every_device(tmp_path):
                            "--nproc", "2", str(script), "--nproc", "7"],
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    lines = sorted(re.findall(r"rank \d+ of \d+ on \S+ backend \S+ sum \S+ args \[[^\]]*\]",
+                              proc.stdout))
     assert lines == [f"rank {r} of 2 on xla:{r} backend xla sum 3.0 args ['--nproc', '7']"
                      for r in range(2)], proc.stdout
