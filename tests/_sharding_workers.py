@@ -63,11 +63,13 @@ def parity_run(rank: int, strategy: str, world: int, shard_kwargs: dict | None =
                norm_type: float = 2.0,
                freeze: tuple[str, ...] = (), tie: bool = False, meta: bool = False,
                two_forwards: bool = False, model_cls: type = TinyNet,
-               eval_between: bool = False) -> dict:
+               eval_between: bool = False, sync_flag: bool = False, setup=None) -> dict:
     """Train sharded and unsharded (on the global batch) side by side; report per-step differences.
 
-    micro > 1: the first micro-1 backward passes run under no_sync; the reference accumulates the
-    same micro-batches. two_forwards: two forward passes, one backward of the summed loss.
+    micro > 1: the first micro-1 backward passes run under no_sync (sync_flag: under
+    set_requires_gradient_sync(False) instead); the reference accumulates the same micro-batches.
+    two_forwards: two forward passes, one backward of the summed loss. setup(model) runs once
+    on the sharded model before training.
     """
     ref, model = _build(seed, meta, freeze, tie, model_cls)
     dev = shardkit.current_context().device
@@ -75,6 +77,8 @@ def parity_run(rank: int, strategy: str, world: int, shard_kwargs: dict | None =
     model = shardkit.shard(model, strategy=strategy,
                            auto_wrap_policy=shardkit.wrap.transformer_layers({Block}),
                            **(shard_kwargs or {}))
+    if setup is not None:
+        setup(model)
     out: dict = {"init_diff": max_diff(full_params(model), ref), "diffs": [], "norms": [],
                  "frozen_grads": [], "devices": sorted({str(p.device) for p in model.parameters()})}
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -83,7 +87,9 @@ def parity_run(rank: int, strategy: str, world: int, shard_kwargs: dict | None =
         for j in range(micro):
             sync = j == micro - 1
             idx = step * micro + j
-            with (model.no_sync() if not sync else contextlib.nullcontext()):
+            if sync_flag:
+                model.set_requires_gradient_sync(sync)
+            with (model.no_sync() if not sync and not sync_flag else contextlib.nullcontext()):
                 x, y = (t.to(dev) for t in batch(idx, rank))
                 loss = F.cross_entropy(model(x), y)
                 if two_forwards:
@@ -168,7 +174,8 @@ def api_checks(rank: int, world: int) -> dict:
     return out
 
 
-def mp_parity_run(rank: int, world: int, strategy: str = "FULL_SHARD") -> list[float]:
+def mp_parity_run(rank: int, world: int, strategy: str = "FULL_SHARD",
+                  shard_kwargs: dict | None = None) -> list[float]:
     """bf16 compute + fp32 reduce vs a reference doing the same casts: per-rank bf16 replicas
     of the fp32 master, bf16 grads cast to fp32, summed in rank order and divided by world."""
     torch.manual_seed(0)
@@ -176,7 +183,8 @@ def mp_parity_run(rank: int, world: int, strategy: str = "FULL_SHARD") -> list[f
     ref = TinyNet().to(dev)
     mp = shardkit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = shardkit.shard(copy.deepcopy(ref), strategy=strategy, mixed_precision=mp,
-                           auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+                           auto_wrap_policy=shardkit.wrap.transformer_layers({Block}),
+                           **(shard_kwargs or {}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     diffs = []
@@ -344,6 +352,10 @@ def suite(rank: int, world: int) -> dict:
             shardkit.shard(TinyNet(), strategy="HYBRID_SHARD", hybrid_group_size=2))
         out["clip"] = clip_run(rank, world)
         out["bytes"] = {"HYBRID_SHARD": bytes_one_step(rank, world, "HYBRID_SHARD", hybrid)}
+    if world in (2, 4):
+        from _knob_workers import knobs_suite  # imports this module: a top-level import would cycle
+
+        out["knobs"] = knobs_suite(rank, world)
     return out
 
 

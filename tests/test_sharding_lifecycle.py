@@ -15,6 +15,9 @@ S, T = ShardedState, TrainingState
     [S.SHARDED, S.GATHERING, S.UNSHARDED, S.SHARDED],  # FULL_SHARD forward, prefetched
     [S.SHARDED, S.UNSHARDED, S.KEPT, S.UNSHARDED, S.SHARDED],  # SHARD_GRAD_OP forward + backward
     [S.SHARDED, S.GATHERING, S.SHARDED],  # an unused prefetch dropped
+    # reshard_after_forward=k: a 1/k slice kept, gathered over k ranks in backward
+    [S.SHARDED, S.GATHERING, S.UNSHARDED, S.PARTIAL, S.GATHERING, S.UNSHARDED, S.SHARDED],
+    [S.SHARDED, S.UNSHARDED, S.PARTIAL, S.SHARDED],  # a no-grad forward's slice dropped
 ])
 def test_engine_paths_are_allowed(path):
     state = path[0]
@@ -24,7 +27,9 @@ def test_engine_paths_are_allowed(path):
 
 
 @pytest.mark.parametrize("current,new", [(S.SHARDED, S.KEPT), (S.GATHERING, S.KEPT),
-                                         (S.UNSHARDED, S.GATHERING), (S.KEPT, S.GATHERING)])
+                                         (S.UNSHARDED, S.GATHERING), (S.KEPT, S.GATHERING),
+                                         (S.SHARDED, S.PARTIAL), (S.KEPT, S.PARTIAL),
+                                         (S.PARTIAL, S.UNSHARDED), (S.PARTIAL, S.KEPT)])
 def test_impossible_sharded_moves_raise(current, new):
     with pytest.raises(ShardkitError, match=f"unit 'blk' cannot go from {current.name} to {new.name}"):
         advance("blk", current, new, SHARDED_MOVES)

@@ -15,13 +15,14 @@ from . import hooks
 from .fingerprint import check_same_model, describe
 from .stale_optimizer import remember_replaced
 from .verify import maybe_wrap
-from .groups import make_groups
+from .groups import make_groups, shard_group_size
 from .materialize import has_meta, materialize
 from .module_api import STATE_ATTR, sharded_class
 from .param import ShardedParam
 from .plan import ParamPlan, all_param_plans, plan_units
 from .policies import MixedPrecision, ShardConfig, ShardingStrategy
 from .report import log_sharding
+from .reshard import ReshardSpec, make_reshard_groups, resolve
 from .state import ShardState
 from .unit import ShardUnit
 
@@ -56,7 +57,8 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
           mixed_precision: MixedPrecision | None = None, device_id=None,
           backend: str | Backend | None = None, cpu_offload: bool = False,
           param_init_fn: Callable[[nn.Module], object] | None = None, prefetch: int = 1,
-          hybrid_group_size: int | None = None, verify: bool | None = None) -> nn.Module:
+          hybrid_group_size: int | None = None, verify: bool | None = None,
+          reshard_after_forward: ReshardSpec = None) -> nn.Module:
     """Shard `model` in place over the data-parallel ranks and return it (names unchanged).
 
     - strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (gathered params kept from forward to
@@ -70,13 +72,19 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
       normalises it). cpu_offload=True keeps shards and grads on the host (the optimizer steps
       there). A model on the meta device is materialised module by module on that device with
       param_init_fn(module) or module.reset_parameters(), and sharded as it goes.
-    - prefetch: how many next units' all-gathers may be in flight ahead of use (0: none).
+    - prefetch: how many next units' all-gathers may be in flight ahead of use (0: none);
+      model.set_forward_prefetch / set_backward_prefetch(unit, [units]) override it per unit.
+    - reshard_after_forward: None (the strategy's: FULL_SHARD/HYBRID True, SHARD_GRAD_OP False),
+      True (free gathered params after forward), False (keep them for backward), or an int k
+      dividing the shard group size N: keep a 1/k slice after forward and all-gather inside
+      groups of k consecutive ranks in backward (ZeRO++ hpZ; k == N is True, k == 1 False).
+      Per unit: a dict {unit name: value} ("<root>" for the root) or a callable(name, module).
     - verify: check before every collective that all ranks issue the same one, and raise naming
       the first difference instead of hanging (default: on when SHARDKIT_DEBUG=1; costs a store
       round trip per collective).
     Afterwards model.parameters() are this rank's 1-D padded shards (what the optimizer owns);
-    model.no_sync() and model.unshard() are available, and the model's context (backend,
-    groups) lives on the model, not in process-global state.
+    model.no_sync(), model.set_requires_gradient_sync() and model.unshard() are available, and
+    the model's context (backend, groups) lives on the model, not in process-global state.
     """
     if not isinstance(model, nn.Module):
         raise ShardkitError(f"shard() needs an nn.Module, got {type(model).__name__}")
@@ -87,13 +95,18 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     config = _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
                      param_init_fn, be)
     units_plan = plan_units(model, as_policy(auto_wrap_policy))
-    check_same_model(describe(units_plan, config), ctx.world)  # before any group
+    n_shard = shard_group_size(config.strategy, hybrid_group_size, ctx.env.local_world_size,
+                               ctx.world.size)
+    reshard = resolve(reshard_after_forward, units_plan, config, n_shard)
+    check_same_model(describe(units_plan, config) + [f"reshard_after_forward: {reshard}"],
+                     ctx.world)  # before any group
     if not any(u.params for u in units_plan):
         raise ShardkitError(f"shard() got a model with no parameters ({type(model).__name__}): "
                             "there is nothing to shard or train. HINT: pass the model whose "
                             "parameters you train, with its layers already built")
     shard_group, replica_group = make_groups(be, ctx.world, config.strategy, hybrid_group_size,
                                              ctx.env.local_world_size)
+    reshard_groups = make_reshard_groups(be, ctx.world, shard_group, reshard)
     state = ShardState(maybe_wrap(be, verify, ctx.timeout), device, ctx.world, shard_group,
                        replica_group, config)
     shard_device = torch.device("cpu") if config.cpu_offload else device
@@ -117,9 +130,10 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     for plan in plans.values():
         if id(plan.param) not in by_param:
             make(plan, plan.param)
-    for up in units_plan:
+    for up, after_forward in zip(units_plan, reshard):
         unit = ShardUnit(state, up.module, up.name, [by_param[id(p.param)] for p in up.params],
-                         up.buffers)
+                         up.buffers, after_forward,
+                         None if isinstance(after_forward, bool) else reshard_groups[after_forward])
         state.units.append(unit)
     state.root_unit = state.units[-1]
     for unit in state.units:

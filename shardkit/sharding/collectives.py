@@ -51,25 +51,32 @@ class PendingGather:
 def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device: torch.device,
                      group: Group, backend: Backend, stats: CommStats | None,
                      async_op: bool, stream: Any = None,
-                     pool: BufferPool | None = None) -> PendingGather:
+                     pool: BufferPool | None = None,
+                     source: torch.Tensor | None = None) -> PendingGather:
     """Copy this rank's shards (cast to `dtype`) into one flat input and start the all-gather.
 
     With a separate gather `stream`, copy-in and the collective run there so they overlap with
     compute; the stream first waits for the compute stream (the optimizer may just have written
-    the shards).
+    the shards). `source`, when given, is this rank's ready-made row instead of the shards (the
+    slice kept by reshard_after_forward=k, gathered over the k-rank `group`).
     """
     stream = stream if stream is not None else backend.current_stream(device)
     stream.wait_stream(backend.current_stream(device))
+    if source is not None:
+        backend.record_stream(source, stream)  # the caller drops it while the copy is queued
     with backend.use_stream(stream):
         pool = pool or _NO_POOL
         sizes = row_sizes(params)
-        row = sum(sizes)
+        row = sum(sizes) if source is None else source.numel()
         out = pool.take(group.size * row, dtype, device)
         # Copy-in straight into this rank's row of the output (an in-place all-gather): no
         # separate input buffer, one copy fewer.
         inp = out[group.rank * row:(group.rank + 1) * row]
         with trace_range("shardkit::copy_in"):
-            copy_in(params, inp, sizes)
+            if source is None:
+                copy_in(params, inp, sizes)
+            else:
+                inp.copy_(source)
         if stats is not None:
             stats.all_gather(inp.numel() * inp.element_size(), group.size)
         with trace_range("shardkit::all_gather"):
@@ -94,8 +101,9 @@ def copy_out(params: Sequence[ShardedParam], output: torch.Tensor,
              targets: Sequence[torch.Tensor], group_size: int) -> None:
     """Scatter the gathered rows into each parameter's padded flat target (one fused copy).
 
-    Each target holds `padded_numel` elements, i.e. (group_size, shard_numel) rank-major, exactly
-    the columns of the parameter in every row, so padding lands in the targets' unused tail.
+    Each target holds `padded_numel` elements, i.e. (group_size, padded_numel / group_size)
+    rank-major, exactly the columns of the parameter in every row, so padding lands in the
+    targets' unused tail (group_size is the shard group's, or k after a reshard to k ranks).
     """
     rows = output.view(group_size, -1)
     outs = [t.view(group_size, -1) for t in targets]
@@ -103,7 +111,7 @@ def copy_out(params: Sequence[ShardedParam], output: torch.Tensor,
         if len(outs) == 1:
             outs[0].copy_(rows)
         else:
-            torch.split_with_sizes_copy(rows, row_sizes(params), dim=1, out=outs)
+            torch.split_with_sizes_copy(rows, [o.shape[1] for o in outs], dim=1, out=outs)
 
 
 def gather_full(params: Sequence[ShardedParam], dtype: torch.dtype, device: torch.device,

@@ -20,6 +20,21 @@ def _make(backend: Backend, ranks: range, world: Group) -> Group:
     return backend.new_group(list(ranks))
 
 
+def shard_group_size(strategy: ShardingStrategy, hybrid_group_size: int | None,
+                     local_world_size: int, n: int) -> int:
+    """How many ranks each shard group has under `strategy` in a world of `n` ranks (no groups made)."""
+    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+        return n
+    if strategy is ShardingStrategy.NO_SHARD:
+        return 1
+    k = hybrid_group_size or local_world_size or n
+    if k < 1 or n % k:
+        raise ShardkitError(
+            f"HYBRID_SHARD needs the world size ({n}) to be a multiple of the shard group size ({k}); "
+            "HINT: pass hybrid_group_size=<a divisor of the world size> to shardkit.shard()")
+    return k
+
+
 def make_groups(backend: Backend, world: Group, strategy: ShardingStrategy,
                 hybrid_group_size: int | None, local_world_size: int) -> tuple[Group, Group | None]:
     """Return (shard_group, replica_group) for this rank; every rank must call this together."""
@@ -28,11 +43,7 @@ def make_groups(backend: Backend, world: Group, strategy: ShardingStrategy,
         return world, None
     if strategy is ShardingStrategy.NO_SHARD:
         return _solo(world), world
-    k = hybrid_group_size or local_world_size or n
-    if k < 1 or n % k:
-        raise ShardkitError(
-            f"HYBRID_SHARD needs the world size ({n}) to be a multiple of the shard group size ({k}); "
-            "HINT: pass hybrid_group_size=<a divisor of the world size> to shardkit.shard()")
+    k = shard_group_size(strategy, hybrid_group_size, local_world_size, n)
     me = world.ranks[world.rank]
     shard = replica = None
     # Every rank creates every group in the same order (new_group is collective).

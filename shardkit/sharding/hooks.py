@@ -64,8 +64,7 @@ def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: d
             st.on_root_pre_forward()
         st.record_pre_forward(unit)
         unit.to_unsharded()
-        if st.order_recorded:
-            st.prefetch_after(unit, st.forward_order, skip_done=False)
+        st.prefetch_forward(unit)
         mp = st.config.mixed_precision
         if mp.buffer_dtype is not None:
             unit.cast_buffers(mp.buffer_dtype)
@@ -77,16 +76,13 @@ def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: d
 
 
 def post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
-    """Put the sharded params back, free the gathered ones (FULL_SHARD), hook the outputs."""
+    """Put the sharded params back, reshard as the unit says (free / keep / 1/k), hook the outputs."""
     with trace_range(unit.trace_names["post_forward"]):
         st: ShardState = unit.state
         st.record_post_forward(unit)
         unit.restore_buffers()
         if not st.keep_unsharded:
-            if st.config.reshard_after_forward:
-                unit.to_sharded()
-            else:
-                unit.to_kept()
+            unit.after_forward()
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -109,7 +105,7 @@ def _pre_backward(unit: ShardUnit) -> None:
             # Exposed, not only gathered: activation checkpointing recomputes the forward from
             # the module's parameters.
             unit.to_unsharded()
-            st.prefetch_after(unit, st.backward_order(), skip_done=True)
+            st.prefetch_backward(unit)
             # Backward holds the gathered params and their full grads at once; idle kept
             # buffers on top of that would raise the peak, so backward allocates afresh
             # (forward still reuses).

@@ -21,6 +21,9 @@ class ShardedState(Enum):
     GATHERING = "gathering"  # an all-gather is in flight; modules expose the shards
     UNSHARDED = "unsharded"  # gathered; modules expose the full (compute) parameters
     KEPT = "kept"  # gathered and kept for backward (SHARD_GRAD_OP); modules expose the shards
+    # Resharded to k ranks (reshard_after_forward=k): a 1/k slice of the gathered values kept
+    # for backward, which gathers inside the k-rank group; modules expose the shards.
+    PARTIAL = "partial"
 
 
 class TrainingState(Enum):
@@ -37,8 +40,9 @@ S, T = ShardedState, TrainingState
 SHARDED_MOVES = {
     S.SHARDED: {S.GATHERING, S.UNSHARDED},
     S.GATHERING: {S.UNSHARDED, S.SHARDED},
-    S.UNSHARDED: {S.SHARDED, S.KEPT},
+    S.UNSHARDED: {S.SHARDED, S.KEPT, S.PARTIAL},
     S.KEPT: {S.UNSHARDED, S.SHARDED},
+    S.PARTIAL: {S.GATHERING, S.SHARDED},
 }
 TRAINING_MOVES = {
     T.IDLE: {T.FORWARD, T.POST_BACKWARD, T.IDLE},

@@ -1,13 +1,17 @@
-"""Methods a sharded model gains: no_sync(), unshard(), a clear deepcopy error, and access to its engine state."""
+"""Methods a sharded model gains: no_sync(), unshard(), gradient-sync and prefetch control, a clear
+deepcopy error, and access to its engine state."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
+
+from torch import nn
 
 from ..errors import ShardkitError
 from .state import ShardState
+from .unit import ShardUnit
 
 STATE_ATTR = "_shardkit_state"
 # original class -> its Sharded subclass: one class per model class, however many models shard()
@@ -36,6 +40,37 @@ class ShardedModule:
             yield
         finally:
             state.no_sync = previous
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Turn gradient reduction off (False) or back on (True) until changed; no_sync() without a context.
+
+        Under False, backward skips the reduce-scatter and gradients accumulate unsharded, on the
+        gathered parameters (as under no_sync() and FSDP2): between micro-batches each rank holds
+        one full-size gradient per trainable parameter, sum(numel) x the compute dtype's bytes
+        (param_dtype under MixedPrecision). The first backward after True reduces the sum.
+        """
+        if not isinstance(requires_gradient_sync, bool):
+            raise ShardkitError("set_requires_gradient_sync() takes True or False, got "
+                                f"{requires_gradient_sync!r}")
+        get_state(self).no_sync = not requires_gradient_sync
+
+    def set_forward_prefetch(self, unit: nn.Module | str, prefetch: Sequence[nn.Module | str]) -> None:
+        """When `unit` runs its pre-forward, issue the all-gathers of exactly the units in `prefetch`.
+
+        Units are given as the wrapped modules or their names ("<root>" for the root). This replaces
+        the bounded `prefetch=` order for that unit only; an empty list turns its forward prefetch off.
+        """
+        state = get_state(self)
+        _find_unit(state, unit).forward_prefetch = _find_units(state, prefetch)
+
+    def set_backward_prefetch(self, unit: nn.Module | str, prefetch: Sequence[nn.Module | str]) -> None:
+        """When `unit` runs its pre-backward, issue the all-gathers of exactly the units in `prefetch`.
+
+        As set_forward_prefetch(): modules or unit names; replaces the bounded order for that unit.
+        Units whose backward already ran, or that are still gathered, are skipped.
+        """
+        state = get_state(self)
+        _find_unit(state, unit).backward_prefetch = _find_units(state, prefetch)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """Refuse with a hint: the parameters are this rank's shards, tied to live process groups."""
@@ -68,6 +103,22 @@ class ShardedModule:
                         for p in unit.params:
                             p.load_full(p.unsharded.detach().to(p.master_dtype))
                     unit.to_sharded()
+
+
+def _find_unit(state: ShardState, key: object) -> ShardUnit:
+    for unit in state.units:
+        if key is unit.module or key == unit.name or (key == "" and unit is state.root_unit):
+            return unit
+    what = f"module {type(key).__name__}" if isinstance(key, nn.Module) else repr(key)
+    raise ShardkitError(f"{what} is not a sharding unit of this model; HINT: pass one of the units' "
+                        f"modules or names: {[u.name for u in state.units]}")
+
+
+def _find_units(state: ShardState, keys: Sequence[nn.Module | str]) -> list[ShardUnit]:
+    if isinstance(keys, (nn.Module, str)):
+        raise ShardkitError("the units to prefetch must be a list (of modules or unit names), got a "
+                            f"single {type(keys).__name__}; HINT: wrap it in a list")
+    return [_find_unit(state, k) for k in keys]
 
 
 def sharded_class(cls: type) -> type:

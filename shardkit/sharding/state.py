@@ -86,6 +86,28 @@ class ShardState:
             self.post_forward_order.append(unit)
 
     # ---- prefetch --------------------------------------------------------------------------
+    def prefetch_forward(self, unit: ShardUnit) -> None:
+        """In `unit`'s pre-forward: its explicit forward prefetch list, else the bounded order."""
+        if unit.forward_prefetch is not None:
+            self.prefetch_units(unit.forward_prefetch, skip_done=False)
+        elif self.order_recorded:
+            self.prefetch_after(unit, self.forward_order, skip_done=False)
+
+    def prefetch_backward(self, unit: ShardUnit) -> None:
+        """In `unit`'s pre-backward: its explicit backward prefetch list, else the bounded order."""
+        if unit.backward_prefetch is not None:
+            self.prefetch_units(unit.backward_prefetch, skip_done=True)
+        else:
+            self.prefetch_after(unit, self.backward_order(), skip_done=True)
+
+    def prefetch_units(self, units: list[ShardUnit], skip_done: bool) -> None:
+        """Issue the all-gathers of exactly `units` (set_*_prefetch), skipping those not needed."""
+        for nxt in units:
+            if (skip_done and nxt.backward_started) or nxt.is_unsharded or nxt.in_flight:
+                continue
+            nxt.unshard(async_op=True)
+            self.stats.note_in_flight(sum(1 for u in self.units if u.in_flight))
+
     def prefetch_after(self, unit: ShardUnit, order: list[ShardUnit], skip_done: bool) -> None:
         """Issue the all-gathers of the next units in `order`, keeping at most `prefetch` in flight."""
         limit = self.config.prefetch

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from ..handles import Group
 from .collectives import (PendingGather, PendingReduce, copy_out, divide_factors, finish_reduce,
                           pack_grads, start_all_gather, start_reduce_scatter)
 from .lifecycle import (SHARDED_MOVES, TRAINING_MOVES, ShardedState, TrainingState,
@@ -32,7 +33,9 @@ class ShardUnit:
 
     def __init__(self, state: "ShardState", module: nn.Module, name: str,
                  params: list[ShardedParam],
-                 buffers: list[tuple[nn.Module, str]] | None = None) -> None:
+                 buffers: list[tuple[nn.Module, str]] | None = None,
+                 reshard_after_forward: bool | int | None = None,
+                 reshard_group: Group | None = None) -> None:
         self.state = state
         self.buffers = buffers or []
         self._stashed_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
@@ -45,6 +48,15 @@ class ShardUnit:
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.pending: list[tuple[list[ShardedParam], PendingGather]] = []
+        # True: free after forward; False: keep gathered; int k: keep a 1/k slice (reshard.py).
+        self.reshard_after_forward = (state.config.reshard_after_forward
+                                      if reshard_after_forward is None else reshard_after_forward)
+        self.reshard_group = reshard_group  # the k-rank group of an int reshard_after_forward
+        self.partial_rows: dict[torch.dtype, torch.Tensor] = {}  # per gather bucket, in PARTIAL
+        self.gathered_over = state.shard_group.size  # ranks the pending all-gathers span
+        # None: the bounded `prefetch=` order; a list: exactly these units (set_*_prefetch).
+        self.forward_prefetch: list[ShardUnit] | None = None
+        self.backward_prefetch: list[ShardUnit] | None = None
         self.forward_uses = 0  # forward calls with grad-requiring inputs whose backward is due
         # Profiler range names, built once (formatting them per call would cost on the hot path).
         self.trace_names = {k: f"shardkit::{k}[{self.name}]"
@@ -104,16 +116,24 @@ class ShardUnit:
 
     # ---- transitions of the parameters -------------------------------------------------------
     def unshard(self, async_op: bool = True) -> None:
-        """Issue this unit's all-gather(s) (SHARDED -> GATHERING); no-op in any other state."""
-        if self.sharded_state is not ShardedState.SHARDED:
+        """Issue this unit's all-gather(s) (SHARDED or PARTIAL -> GATHERING); else a no-op.
+
+        From PARTIAL the gather runs inside the k-rank group, from the slices kept after forward.
+        """
+        if self.sharded_state not in (ShardedState.SHARDED, ShardedState.PARTIAL):
             return
         st = self.state
         async_op = async_op and st.async_collectives
+        rows, self.partial_rows = self.partial_rows, {}
+        group = self.reshard_group if rows else st.shard_group
+        assert group is not None  # PARTIAL is only entered with a k-rank group
+        self.gathered_over = group.size
         with trace_range(self.trace_names["unshard"]):
             for dtype, params in self.gather_buckets.items():
-                pending = start_all_gather(params, dtype, st.device, st.shard_group, st.backend,
+                pending = start_all_gather(params, dtype, st.device, group, st.backend,
                                            st.stats, async_op=async_op,
-                                           stream=st.gather_stream, pool=st.pool)
+                                           stream=st.gather_stream, pool=st.pool,
+                                           source=rows.get(dtype))
                 self.pending.append((params, pending))
         self._move(ShardedState.GATHERING)
 
@@ -133,11 +153,40 @@ class ShardUnit:
         self._expose(unsharded=False)
         self._move(ShardedState.KEPT)
 
+    def after_forward(self) -> None:
+        """Reshard as reshard_after_forward says: free (True), keep (False), keep 1/k (int k)."""
+        if self.reshard_after_forward is True:
+            self.to_sharded()
+        elif self.reshard_after_forward is False:
+            self.to_kept()
+        else:
+            self.to_partial()
+
+    def to_partial(self) -> None:
+        """Keep this rank's 1/k slice of each gathered param, free the rest, expose the shards."""
+        if self.sharded_state is ShardedState.PARTIAL:
+            return
+        group = self.reshard_group
+        assert group is not None and self.sharded_state is ShardedState.UNSHARDED
+        self._expose(unsharded=False)
+        for dtype, params in self.gather_buckets.items():
+            # The slice of a padded flat viewed (k, padded/k) at this rank's block position is
+            # exactly its row of the k-rank all-gather backward will issue.
+            self.partial_rows[dtype] = torch.cat(
+                [p.unsharded_flat.view(group.size, -1)[group.rank] for p in params])
+        if self.state.needs_compiler_barrier:
+            self.state.backend.compiler_barrier([*self.partial_rows.values(),
+                                                 *(p.unsharded for p in self.params)])
+        for p in self.params:
+            p.free_unsharded()
+        self._move(ShardedState.PARTIAL)
+
     def to_sharded(self) -> None:
         """Expose the shards and free the gathered params (dropping a gather nobody used)."""
         if self.sharded_state is ShardedState.SHARDED:
             return
         self._expose(unsharded=False)
+        self.partial_rows = {}
         for _params, pending in self.pending:
             pending.wait(self.state.backend, self.state.device)  # buffers must outlive it
             self.state.pool.give(pending.output)
@@ -163,7 +212,7 @@ class ShardUnit:
                 for p in params:
                     p.alloc_unsharded()
                 copy_out(params, pending.output, [p.unsharded_flat for p in params],
-                         st.shard_group.size)
+                         self.gathered_over)
                 st.pool.give(pending.output)
         self.pending = []
         if st.needs_compiler_barrier:
