@@ -3,7 +3,7 @@ unit), explicit prefetch, and set_requires_gradient_sync (module level so shardk
 
 from __future__ import annotations
 
-import functools
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -166,6 +166,7 @@ def knobs_suite(rank: int, world: int) -> dict:
                         "dict": reshard_bytes_and_memory(rank, MIXED),
                         "k2_bf16": reshard_bytes_and_memory(rank, 2, bf16)}
         out["errors"] = reshard_errors()
+        out["lazy_like"] = lazy_like_knobs(rank, world)
     if world == 2:
         out["parity"] = {
             "k1": parity_run(rank, "FULL_SHARD", world, {"reshard_after_forward": 1}),
@@ -183,20 +184,28 @@ def knobs_suite(rank: int, world: int) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def lazy_like_capabilities():
+    """Make the running gloo backend declare what LazyLikeCPU (a lazy-tensor device) declares: no
+    storage resize, synchronous collectives, compiler barriers, 4-element alignment. Saves a
+    spawn: the engine reads only capabilities, so this is the lazy-like backend's code path."""
+    be = shardkit.current_context().backend
+    be.capabilities = LazyLikeCPU.capabilities
+    try:
+        yield be
+    finally:
+        del be.capabilities  # back to the class's
+
+
 def lazy_like_knobs(rank: int, world: int) -> dict:
-    """reshard_after_forward=2 on a backend without storage resize (slices kept as fresh tensors)."""
-    return {"backend": shardkit.current_context().backend.name,
-            "parity": parity_run(rank, "FULL_SHARD", world, {"reshard_after_forward": 2}),
-            "bytes": reshard_bytes_and_memory(rank, 2)}
+    """reshard_after_forward=2 without storage resize (the kept slices are fresh tensors)."""
+    with lazy_like_capabilities() as be:
+        return {"resize": be.capabilities.supports_storage_resize,
+                "parity": parity_run(rank, "FULL_SHARD", world, {"reshard_after_forward": 2}),
+                "bytes": reshard_bytes_and_memory(rank, 2)}
 
 
 def spawn_knobs(world: int) -> list[dict]:
     """`knobs_suite`'s results on `world` ranks, from the sharding tests' shared spawn."""
     return [r["knobs"] for r in spawn_suite(world)]
-
-
-@functools.lru_cache(maxsize=None)
-def spawn_lazy_like_knobs(world: int) -> list[dict]:
-    """Run `lazy_like_knobs` on `world` ranks of the lazy-like gloo backend once per session."""
-    return shardkit.spawn(lazy_like_knobs, world, world, backend=LazyLikeCPU(), threads_per_rank=1)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from _knob_workers import MIXED, spawn_knobs, spawn_lazy_like_knobs
+from _knob_workers import MIXED, spawn_knobs
 from _sharding_workers import STEPS
 
 pytestmark = pytest.mark.slow  # multi-process: runs by default, skipped by -m 'not slow'
@@ -85,10 +85,11 @@ def test_reshard_one_and_world_behave_as_false_and_true_at_world_2():
 
 
 def test_no_storage_resize_backend_keeps_the_slice_as_fresh_tensors():
-    for r in spawn_lazy_like_knobs(4):
-        assert r["backend"] == "cpu-lazy-like"
-        assert _ok(r["parity"])
-        _check_bytes(r["bytes"], 2, 4, FP32)
+    for r in spawn_knobs(4):
+        lazy = r["lazy_like"]
+        assert lazy["resize"] is False
+        assert _ok(lazy["parity"])
+        _check_bytes(lazy["bytes"], 2, 4, FP32)
 
 
 def test_explicit_prefetch_order_is_followed_and_trains_the_same():

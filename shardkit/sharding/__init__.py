@@ -4,9 +4,10 @@ Layout (one job per file): policies (strategy, MixedPrecision, config), plan (wh
 unit, which unit owns each parameter), groups (shard / replicate groups), param (one parameter's
 shard and gathered tensor), collectives (fused copy-in, collective, fused copy-out; divide
 factors), buffers (flat-buffer reuse on host-ordered devices), lifecycle (a unit's ShardedState /
-TrainingState machines), unit (the lifecycle transitions and the reduce of one unit), state
-(per-model context, execution order, prefetch, backward finaliser), hooks (module and autograd
-hooks), materialize (meta-device init), api (shard()), module_api (no_sync, unshard), clip
+TrainingState machines), reshard (per-unit reshard_after_forward values, k-rank groups), unit
+(the lifecycle transitions and the reduce of one unit), state (per-model context, execution
+order, prefetch, backward finaliser), hooks (module and autograd hooks), materialize (meta-device
+init), api (shard()), module_api (no_sync, unshard, gradient sync, explicit prefetch), clip
 (clip_grad_norm_), comm_stats (bytes sent), views (the checkpoint contract), trace (`shardkit::`
 profiler ranges, free without a profiler).
 """
