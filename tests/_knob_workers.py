@@ -143,6 +143,11 @@ def grad_sync_bytes_and_memory(rank: int, micro: int = 3) -> dict:
     return out
 
 
+def _checkpoint_blocks(model) -> None:
+    """Activation checkpointing: backward recomputes each block from its re-gathered params."""
+    shardkit.wrap.checkpoint_layers(model, Block)
+
+
 def _mixed_by_name(name: str, module) -> object:
     """Per-unit callable: blocks reshard to 2 ranks, the root stays gathered (FSDP2's last-unit tip)."""
     return False if name == "<root>" else 2
@@ -160,6 +165,8 @@ def knobs_suite(rank: int, world: int) -> dict:
                                    {"reshard_after_forward": _mixed_by_name}),
             "k2_no_sync": parity_run(rank, "FULL_SHARD", world, {"reshard_after_forward": 2},
                                      micro=2),
+            "k2_checkpointed": parity_run(rank, "FULL_SHARD", world, {"reshard_after_forward": 2},
+                                          setup=_checkpoint_blocks),
         }
         out["mp_k2"] = mp_parity_run(rank, world, shard_kwargs={"reshard_after_forward": 2})
         out["bytes"] = {"k2": reshard_bytes_and_memory(rank, 2),

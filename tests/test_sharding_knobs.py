@@ -50,7 +50,7 @@ def _check_bytes(b, spec, n, compute_bytes):
 
 def test_int_reshard_trains_like_the_reference_at_world_4():
     for r in spawn_knobs(4):
-        for name in ("k2", "dict", "callable", "k2_no_sync"):
+        for name in ("k2", "dict", "callable", "k2_no_sync", "k2_checkpointed"):
             assert _ok(r["parity"][name]), name
         assert max(r["mp_k2"]) <= TOL  # bf16 compute, fp32 reduce, against the same casts
 
