@@ -67,9 +67,10 @@ class Plan:
         """A readable text table: one line per unit, then per-rank totals."""
         head = (f"shardkit plan: {self.param_count:,} params ({self.trainable_count:,} trainable), "
                 f"{self.strategy} on {self.world_size} rank(s) (shard group "
-                f"{self.shard_group_size}, replicas {self.replica_group_size}), compute "
-                f"{self.param_dtype or 'as stored'}, reduce {self.reduce_dtype or 'as stored'}, "
-                f"optimizer {self.optimizer}{', cpu_offload' if self.cpu_offload else ''}")
+                f"{self.shard_group_size}, replicas {self.replica_group_size})\n"
+                f"compute {self.param_dtype or 'as stored'}, reduce "
+                f"{self.reduce_dtype or 'as stored'}, optimizer {self.optimizer}"
+                f"{', cpu_offload' if self.cpu_offload else ''}, prefetch {self.prefetch}")
         rows = _collapsed(self.units)
         width = max([4] + [len(r[0]) for r in rows])
         cols = f"{'unit':<{width}} {'params/unit':>14} {'shard/rank':>13} {'persist/rank':>13} {'gathered':>11}  reshard"
@@ -82,11 +83,11 @@ class Plan:
                   f"{_size(p['grads'])} + optimizer {_size(p['optimizer'])} (device "
                   f"{_size(self.persistent_device)}, host {_size(self.persistent_host)})",
                   f"largest gathered unit: {self.largest_unit} ({_size(self.largest_unit_bytes)})",
-                  f"estimated peak per rank: {_size(self.peak_bytes)} on the device, activations "
-                  f"not included (prefetch {self.prefetch})",
-                  "sent per rank per step: " + ", ".join(
+                  f"estimated peak per rank: {_size(self.peak_bytes)} on the device "
+                  "(activations not included)",
+                  f"sent per rank per step: {_size(self.comm['total'])} = " + " + ".join(
                       f"{k} {_size(self.comm[k])} ({self.comm['calls'].get(k, 0)} calls)"
-                      for k in COLLECTIVES) + f"; total {_size(self.comm['total'])}"]
+                      for k in COLLECTIVES)]
         return "\n".join(lines)
 
 
