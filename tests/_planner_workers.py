@@ -62,8 +62,8 @@ def shard_kwargs(case: dict) -> dict:
             "auto_wrap_policy": shardkit.wrap.transformer_layers({Block})}
 
 
-def _one_comm_case(rank: int, case: dict) -> list[dict]:
-    model = shardkit.shard(tiny(case["frozen"]), **shard_kwargs(case))
+def _one_comm_case(rank: int, case: dict, **extra) -> list[dict]:
+    model = shardkit.shard(tiny(case["frozen"]), **shard_kwargs(case), **extra)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     shardkit.comm_stats(model, reset=True)
     steps = []
@@ -130,17 +130,24 @@ def _one_memory_case(rank: int, case: dict) -> dict:
     return out
 
 
-def _reshard_int_case(rank: int, world: int) -> list[dict] | None:
-    """Bytes per step with reshard_after_forward=2 at 4 ranks, where the engine takes the int form."""
-    try:
-        model = shardkit.shard(tiny(False), reshard_after_forward=2,
-                               auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
-    except TypeError:  # this engine has no reshard_after_forward argument (yet)
+RESHARD_CASES = [  # (reshard_after_forward, comm case) at 4 ranks
+    (2, {"strategy": "FULL_SHARD", "hybrid_group_size": None, "mp": "fp32", "frozen": False,
+         "cpu_offload": False}),
+    (2, {"strategy": "FULL_SHARD", "hybrid_group_size": None, "mp": "bf16", "frozen": True,
+         "cpu_offload": False}),
+    ({"blocks.0": 2, "<root>": False}, {"strategy": "FULL_SHARD", "hybrid_group_size": None,
+                                        "mp": "fp32", "frozen": False, "cpu_offload": False}),
+]
+
+
+def _reshard_int_cases(rank: int) -> list[list[dict]] | None:
+    """Bytes per step under int reshard_after_forward, where this engine's shard() takes it."""
+    import inspect
+
+    if "reshard_after_forward" not in inspect.signature(shardkit.shard).parameters:
         return None
-    shardkit.comm_stats(model, reset=True)
-    x, y = batch(0, rank)
-    F.cross_entropy(model(x), y).backward()
-    return [shardkit.comm_stats(model, reset=True)]
+    return [_one_comm_case(rank, case, reshard_after_forward=value)
+            for value, case in RESHARD_CASES]
 
 
 def suite(rank: int, world: int) -> dict:
@@ -149,7 +156,7 @@ def suite(rank: int, world: int) -> dict:
     if world == 2:
         out["memory"] = [_one_memory_case(rank, c) for c in memory_cases()]
     if world == 4:
-        out["reshard_int"] = _reshard_int_case(rank, world)
+        out["reshard_int"] = _reshard_int_cases(rank)
     return out
 
 

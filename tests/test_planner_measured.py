@@ -12,8 +12,7 @@ import torch
 
 import shardkit
 
-from _models import Block
-from _planner_workers import (Wide, comm_cases, memory_cases, memory_kwargs, shard_kwargs,
+from _planner_workers import (RESHARD_CASES, Wide, comm_cases, memory_cases, memory_kwargs, shard_kwargs,
                               spawn_suite, tiny)
 
 pytestmark = pytest.mark.slow  # multi-process: runs by default, skipped by -m 'not slow'
@@ -60,11 +59,11 @@ def test_reshard_after_forward_int_equals_comm_stats_where_the_engine_has_it():
     results = spawn_suite(4)
     if results[0]["reshard_int"] is None:
         pytest.skip("this engine's shard() takes no reshard_after_forward (the knobs branch adds it)")
-    with torch.device("meta"):
-        model = tiny(False)
-    planned = shardkit.plan(model, world_size=4, reshard_after_forward=2,
-                            auto_wrap_policy=shardkit.wrap.transformer_layers(
-                                {Block}))
-    for result in results:
-        for stats in result["reshard_int"]:
-            assert {k: stats[k] for k in KEYS} == planned.comm
+    for i, (value, case) in enumerate(RESHARD_CASES):
+        with torch.device("meta"):
+            model = tiny(case["frozen"])
+        planned = shardkit.plan(model, world_size=4, reshard_after_forward=value,
+                                **shard_kwargs(case))
+        for rank, result in enumerate(results):
+            for step, stats in enumerate(result["reshard_int"][i]):
+                assert {k: stats[k] for k in KEYS} == planned.comm, (value, case, rank, step)
