@@ -4,6 +4,11 @@ Nothing here allocates parameter memory or joins a process group: the units come
 engine's own `plan_units`, each parameter's padding from the engine's `shard_layout`, and the
 bytes sent are recorded into the engine's own `CommStats`, call for call as a training step
 (one forward, one backward, no no_sync) issues them.
+
+Assumed of the step: every unit runs forward once and backward reaches it (a unit whose params
+are all frozen and whose inputs need no grad is not re-gathered for backward by the engine; the
+plan still counts that gather), and gradients are synchronised (under no_sync nothing is
+reduced).
 """
 
 from __future__ import annotations
