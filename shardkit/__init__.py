@@ -16,6 +16,7 @@ from .spawn import spawn
 from .replicate import replicate
 from . import checkpoint, wrap
 from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, comm_stats, shard)
+from .planner import Plan, plan
 
 __all__ = [
     "API_VERSION", "Backend", "BackendNotFoundError", "BackendUnavailableError", "Capabilities",
@@ -25,7 +26,7 @@ __all__ = [
     "get_backend", "hookimpl", "hookspec", "init", "register_plugin",
     "shutdown", "spawn", "replicate",
     "MixedPrecision", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "shard", "wrap",
-    "checkpoint",
+    "checkpoint", "Plan", "plan",
 ]
 
 _configure_logging()  # SHARDKIT_LOG=debug|info prints the "shardkit" logger to stderr

@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                     "turn a sharded checkpoint into safetensors files (offline)"),
     "inspect": ("shardkit.checkpoint.cli", "print what a checkpoint holds"),
     "demo": ("shardkit.demo.cli", "train an MNIST-style CNN sharded across local processes"),
+    "plan": ("shardkit.planner.cli",
+             "predict per-rank memory and bytes per step of a model before launching"),
 }
 
 

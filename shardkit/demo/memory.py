@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-MB = 1024 * 1024
+from ..planner.optimizers import STATE_TENSORS_PER_PARAM
 
-# Tensors of optimizer state each parameter carries; step counters are scalars and do not count.
-STATE_TENSORS_PER_PARAM = {"adamw": 2, "adam": 2, "adadelta": 2, "sgd": 0}
+MB = 1024 * 1024
 
 
 def unsharded_state_bytes(num_params: int, optimizer: str, dtype_bytes: int = 4) -> int:
@@ -23,7 +22,7 @@ def measured_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank really holds in the parameters, gradients and state its optimizer owns."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     states = [t for p in params for t in optimizer.state.get(p, {}).values()
-              if isinstance(t, torch.Tensor) and t.numel() == p.numel()]
+              if isinstance(t, torch.Tensor) and t.shape == p.shape]
     out = {"params": sum(_nbytes(p) for p in params),
            "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
            "optimizer": sum(_nbytes(t) for t in states)}

@@ -10,13 +10,12 @@ saved in forward see the data again once it is re-gathered for backward.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from ..backend import Backend
 from ..handles import Group
+from .layout import shard_layout
 
 
 class ShardedParam:
@@ -35,9 +34,7 @@ class ShardedParam:
         self.requires_grad = orig.requires_grad
         self._backend = backend
         self.group_size = shard_group.size
-        chunk = shard_group.size * max(1, alignment)
-        self.padded_numel = max(1, math.ceil(self.numel / chunk)) * chunk
-        self.shard_numel = self.padded_numel // shard_group.size
+        self.padded_numel, self.shard_numel = shard_layout(self.numel, shard_group.size, alignment)
         self.offset = shard_group.rank * self.shard_numel
         self.valid_numel = max(0, min(self.shard_numel, self.numel - self.offset))
         self.sharded = nn.Parameter(

@@ -1,0 +1,238 @@
+"""`shardkit.plan()`: the engine's layout, memory and traffic for a model, without running it.
+
+Nothing here allocates parameter memory or joins a process group: the units come from the
+engine's own `plan_units`, each parameter's padding from the engine's `shard_layout`, and the
+bytes sent are recorded into the engine's own `CommStats`, call for call as a training step
+(one forward, one backward, no no_sync) issues them.
+
+Assumed of the step: every unit runs forward once and backward reaches it (a unit whose params
+are all frozen and whose inputs need no grad is not re-gathered for backward by the engine; the
+plan still counts that gather), and gradients are synchronised (under no_sync nothing is
+reduced).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import ShardkitError
+from ..sharding.comm_stats import CommStats
+from ..sharding.layout import shard_layout
+from ..sharding.plan import ParamPlan, UnitPlan, plan_units
+from ..sharding.policies import MixedPrecision, ShardConfig, ShardingStrategy
+from ..wrap import WrapPolicy, as_policy
+from .optimizers import state_tensors
+from .result import Plan, UnitRow
+
+ROOT = "<root>"
+Reshard = bool | int | None
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ShardkitError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _groups(strategy: ShardingStrategy, world: int, hybrid: int | None) -> tuple[int, int]:
+    """(shard group size, replica group size), as sharding.groups.make_groups builds them."""
+    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+        return world, 1
+    if strategy is ShardingStrategy.NO_SHARD:
+        return 1, world
+    k = world if hybrid is None else _positive_int("hybrid_group_size", hybrid)
+    if world % k:
+        raise ShardkitError(f"HYBRID_SHARD needs the world size ({world}) to be a multiple of the "
+                            f"shard group size ({k}); HINT: pass hybrid_group_size=<a divisor of "
+                            "the world size>")
+    return k, world // k
+
+
+def _alignment(shard_alignment: int | None, backend: object) -> int:
+    if backend is not None:
+        if shard_alignment is not None:
+            raise ShardkitError("pass shard_alignment= or backend=, not both (the backend's "
+                                "capabilities decide its alignment)")
+        from ..selection import get_backend
+
+        return get_backend(backend).capabilities.shard_alignment  # type: ignore[arg-type]
+    return _positive_int("shard_alignment", 1 if shard_alignment is None else shard_alignment)
+
+
+def _resolve_reshard(value: Reshard, default: bool, group: int, unit: str) -> bool | int:
+    """Normalise one unit's reshard_after_forward to True, False or an int 1 < k < group."""
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ShardkitError(f"reshard_after_forward for unit {unit!r} must be None, True, False or "
+                            f"an int, got {value!r}")
+    if value < 1 or group % value:
+        raise ShardkitError(f"reshard_after_forward={value} for unit {unit!r} must divide the "
+                            f"shard group size ({group}); HINT: use one of "
+                            f"{[d for d in range(1, group + 1) if group % d == 0]}")
+    if value == group:
+        return True
+    return False if value == 1 else value
+
+
+def _per_unit(reshard: Reshard | Mapping[str, Reshard], names: list[str]) -> dict[str, Reshard]:
+    if not isinstance(reshard, Mapping):
+        return {n: reshard for n in names}
+    given = {ROOT if k == "" else k: v for k, v in reshard.items()}
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ShardkitError(f"reshard_after_forward names unknown unit(s) {unknown}; the units are "
+                            f"{names}")
+    return {n: given.get(n) for n in names}
+
+
+class _Layout:
+    """One distinct parameter's sizes under the plan's groups and dtypes."""
+
+    def __init__(self, plan: ParamPlan, group: int, alignment: int, config: ShardConfig) -> None:
+        param = plan.param
+        self.numel = param.numel()
+        self.trainable = param.requires_grad
+        self.master_bytes = param.dtype.itemsize
+        self.compute_dtype = config.compute_dtype(param.dtype)
+        self.reduce_dtype = config.reduce_dtype(param.dtype)
+        self.padded, self.shard = shard_layout(self.numel, group, alignment)
+
+
+def _buckets(params: list[_Layout], key: Callable[[_Layout], torch.dtype]) -> list[list[_Layout]]:
+    # One flat collective per dtype per unit, as ShardUnit buckets them.
+    out: dict[torch.dtype, list[_Layout]] = {}
+    for p in params:
+        out.setdefault(key(p), []).append(p)
+    return list(out.values())
+
+
+def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "FULL_SHARD",
+         auto_wrap_policy: WrapPolicy | Callable[[nn.Module], bool] | None = None,
+         mixed_precision: MixedPrecision | None = None, cpu_offload: bool = False,
+         optimizer: str = "adam", hybrid_group_size: int | None = None,
+         shard_alignment: int | None = None, backend: object = None, prefetch: int = 1,
+         reshard_after_forward: Reshard | Mapping[str, Reshard] = None) -> Plan:
+    """Predict per-rank memory and bytes sent per step for `model` sharded as shard() would.
+
+    The model may live on the meta device (nothing is allocated; a 70B config plans in seconds).
+    - world_size, strategy, auto_wrap_policy, mixed_precision, cpu_offload, prefetch and
+      hybrid_group_size mean what they mean for shardkit.shard(); hybrid_group_size defaults to
+      world_size here (shard() defaults to the local world size).
+    - optimizer: "adam", "adamw", "adadelta" or "sgd" (the state tensors kept per parameter).
+    - shard_alignment: pad shards to multiples of this many elements, or backend=<name> to take
+      the alignment from that backend's capabilities (it is not started).
+    - reshard_after_forward: None (the strategy's default), True, False, or an int k dividing
+      the shard group size: after forward each rank keeps its 1/k slice of the unit, and
+      backward all-gathers inside its block of k ranks. A dict {unit name: value} sets it per
+      unit ("<root>" is the root).
+    The returned Plan's docstring says what its peak estimate includes (activations are not).
+    """
+    if not isinstance(model, nn.Module):
+        raise ShardkitError(f"plan() needs an nn.Module, got {type(model).__name__}")
+    world = _positive_int("world_size", world_size)
+    strat = ShardingStrategy.parse(strategy)
+    mp = mixed_precision or MixedPrecision()
+    if not isinstance(mp, MixedPrecision):
+        raise ShardkitError(f"mixed_precision must be a shardkit.MixedPrecision, got "
+                            f"{type(mp).__name__}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ShardkitError(f"prefetch must be an int >= 0 (0 disables prefetch), got {prefetch!r}")
+    n_states = state_tensors(optimizer)
+    group, replicas = _groups(strat, world, hybrid_group_size)
+    align = _alignment(shard_alignment, backend)
+    config = ShardConfig(strat, mp, bool(cpu_offload), prefetch, hybrid_group_size)
+    units = plan_units(model, as_policy(auto_wrap_policy))
+    if not any(u.params for u in units):
+        raise ShardkitError(f"plan() got a model with no parameters ({type(model).__name__})")
+    names = [u.name or ROOT for u in units]
+    per_unit = _per_unit(reshard_after_forward, names)
+    rows, split, stats = _rows_and_traffic(units, names, per_unit, group, replicas, align,
+                                           config, n_states)
+    return _assemble(rows, split, stats, world, strat, group, replicas, align, optimizer, mp,
+                     bool(cpu_offload), prefetch)
+
+
+def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[str, Reshard],
+                      group: int, replicas: int, align: int, config: ShardConfig,
+                      n_states: int) -> tuple[list[UnitRow], dict[str, int], CommStats]:
+    stats = CommStats()
+    split = {"params": 0, "grads": 0, "optimizer": 0}
+    rows: list[UnitRow] = []
+    layouts = [[_Layout(p, group, align, config) for p in u.params] for u in units]
+    for params in layouts:  # forward: every unit is gathered once
+        for bucket in _buckets(params, lambda p: p.compute_dtype):
+            stats.all_gather(sum(p.shard for p in bucket) * bucket[0].compute_dtype.itemsize, group)
+    for name, params in zip(reversed(names), reversed(layouts)):  # backward, root first
+        reshard = _resolve_reshard(per_unit[name], config.reshard_after_forward, group, name)
+        for bucket in _buckets(params, lambda p: p.compute_dtype):
+            size = bucket[0].compute_dtype.itemsize
+            if reshard is True:
+                stats.all_gather(sum(p.shard for p in bucket) * size, group)
+            elif reshard is not False:  # kept 1/k slices, gathered back inside k ranks
+                stats.all_gather(sum(p.padded // reshard for p in bucket) * size, reshard)
+        for bucket in _buckets([p for p in params if p.trainable], lambda p: p.reduce_dtype):
+            out_bytes = sum(p.shard for p in bucket) * bucket[0].reduce_dtype.itemsize
+            stats.reduce_scatter(out_bytes, group)
+            if replicas > 1:
+                stats.all_reduce(out_bytes, replicas)
+        # Shards and the optimizer live in the master dtype; reduced grads are cast to it too.
+        shard_bytes = sum(p.shard * p.master_bytes for p in params)
+        trainable_shard = sum(p.shard * p.master_bytes for p in params if p.trainable)
+        split["params"] += shard_bytes
+        split["grads"] += trainable_shard
+        split["optimizer"] += trainable_shard * n_states
+        rows.append(UnitRow(
+            name=name, params=sum(p.numel for p in params),
+            trainable=sum(p.numel for p in params if p.trainable),
+            padded_numel=sum(p.padded for p in params), shard_numel=sum(p.shard for p in params),
+            persistent_bytes=shard_bytes + trainable_shard * (1 + n_states),
+            unsharded_bytes=sum(p.padded * p.compute_dtype.itemsize for p in params),
+            grad_bytes=sum(p.numel * p.compute_dtype.itemsize for p in params if p.trainable),
+            reshard_after_forward=reshard))
+    rows.reverse()  # the engine's unit order: bottom-up, root last
+    return rows, split, stats
+
+
+def _peak(rows: list[UnitRow], persistent_device: int, prefetch: int) -> int:
+    """Persistent + root and (1 + prefetch) largest other units gathered with grads + kept state."""
+    root, others = rows[-1], rows[:-1]
+    busy = sorted(others, key=lambda u: u.unsharded_bytes + u.grad_bytes, reverse=True)
+    active = busy[:1 + prefetch]
+    kept = 0
+    for u in busy[1 + prefetch:]:
+        if u.reshard_after_forward is False:
+            kept += u.unsharded_bytes
+        elif u.reshard_after_forward is not True:
+            kept += u.unsharded_bytes // u.reshard_after_forward
+    return (persistent_device + root.unsharded_bytes + root.grad_bytes
+            + sum(u.unsharded_bytes + u.grad_bytes for u in active) + kept)
+
+
+def _assemble(rows: list[UnitRow], split: dict[str, int], stats: CommStats, world: int, strat: ShardingStrategy,
+              group: int, replicas: int, align: int, optimizer: str, mp: MixedPrecision,
+              cpu_offload: bool, prefetch: int) -> Plan:
+    snap = stats.snapshot()
+    comm = {k: snap[k] for k in ("all_gather", "reduce_scatter", "all_reduce", "total", "calls")}
+    persistent = dict(split, total=sum(split.values()))
+    device = 0 if cpu_offload else persistent["total"]
+    largest = max(rows, key=lambda u: u.unsharded_bytes)
+    return Plan(world_size=world, strategy=strat.name, shard_group_size=group,
+                replica_group_size=replicas, shard_alignment=align, optimizer=optimizer.lower(),
+                param_dtype=_dtype_name(mp.param_dtype),
+                reduce_dtype=_dtype_name(mp.reduce_dtype or mp.param_dtype),
+                cpu_offload=cpu_offload, prefetch=prefetch, units=tuple(rows),
+                param_count=sum(u.params for u in rows),
+                trainable_count=sum(u.trainable for u in rows), persistent=persistent,
+                persistent_device=device, persistent_host=persistent["total"] - device,
+                largest_unit=largest.name, largest_unit_bytes=largest.unsharded_bytes,
+                peak_bytes=_peak(rows, device, prefetch), comm=comm)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "" if dtype is None else str(dtype).replace("torch.", "")

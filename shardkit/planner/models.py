@@ -1,0 +1,112 @@
+"""Build the model to plan on the meta device: from a `module:factory` or a transformers config."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ..errors import ShardkitError
+from ..wrap import WrapPolicy, transformer_layers
+
+HF_HINT = "HINT: pip install 'shardkit[hf]'"
+
+
+def from_factory(target: str) -> nn.Module:
+    """Import `module:factory` (dots allowed after the colon) and call it under torch.device("meta")."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ShardkitError(f"expected MODULE:FACTORY (e.g. mypkg.models:build), got {target!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's own files import
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ShardkitError(f"cannot import {module_name!r}: {exc}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ShardkitError(f"{module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ShardkitError(f"{target!r} is not callable; it must return an nn.Module")
+    with torch.device("meta"):
+        model = obj()
+    if not isinstance(model, nn.Module):
+        raise ShardkitError(f"{target!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)  # numbers, true/false, null, lists
+    except ValueError:
+        return text
+
+
+def hf_config(name_or_json: str, overrides: Iterable[str] = ()) -> Any:
+    """A transformers config: a model type (gpt2, llama, t5; no download) or a config.json path."""
+    try:
+        from transformers import AutoConfig
+    except ImportError as exc:
+        raise ShardkitError(f"--hf-config needs transformers, which is not installed; {HF_HINT}") \
+            from exc
+    if os.path.exists(name_or_json):
+        path = os.path.join(name_or_json, "config.json") if os.path.isdir(name_or_json) \
+            else name_or_json
+        with open(path) as f:
+            values = json.load(f)
+        model_type = values.pop("model_type", None)
+        if model_type is None:
+            raise ShardkitError(f"{path} has no model_type; it is not a transformers config.json")
+        config = AutoConfig.for_model(model_type, **values)
+    else:
+        try:
+            config = AutoConfig.for_model(name_or_json)
+        except ValueError as exc:
+            raise ShardkitError(f"unknown transformers model type {name_or_json!r} (and no such "
+                                f"file); HINT: a model type such as gpt2, llama or t5, or a path "
+                                f"to a config.json") from exc
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ShardkitError(f"--set needs KEY=VALUE, got {item!r}")
+        if not hasattr(config, key):
+            raise ShardkitError(f"{type(config).__name__} has no setting {key!r}")
+        setattr(config, key, _parse_value(value))
+    return config
+
+
+def from_hf_config(config: Any) -> nn.Module:
+    """The causal-LM (else seq2seq-LM, else base) model of `config`, built on the meta device."""
+    import transformers
+
+    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModel"):
+        try:
+            with torch.device("meta"):
+                return getattr(transformers, auto).from_config(config)
+        except ValueError:  # this config has no model of that kind
+            continue
+    raise ShardkitError(f"transformers has no model for {type(config).__name__}")
+
+
+def wrap_by_class_names(model: nn.Module, names: Iterable[str]) -> WrapPolicy | None:
+    """A transformer_layers policy for the module classes of `model` named in `names`."""
+    wanted = [n.strip() for n in names if n.strip()]
+    if not wanted:
+        return None
+    classes = {type(m).__name__: type(m) for m in model.modules()}
+    unknown = [n for n in wanted if n not in classes]
+    if unknown:
+        raise ShardkitError(f"--wrap names class(es) {unknown} that the model does not use; "
+                            f"its module classes are {sorted(classes)}")
+    return transformer_layers({classes[n] for n in wanted})
+
+
+def default_hf_wrap(model: nn.Module) -> list[str]:
+    """The layer classes transformers itself keeps whole (`_no_split_modules`)."""
+    return sorted(getattr(model, "_no_split_modules", None) or [])

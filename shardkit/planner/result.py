@@ -1,0 +1,120 @@
+"""What `shardkit.plan()` returns: per-unit rows and per-rank totals, as text or JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass(frozen=True)
+class UnitRow:
+    """One sharding unit as the engine would build it, with its per-rank sizes."""
+
+    name: str  # the engine's unit name ("<root>" for the root module)
+    params: int  # elements of the unit's parameters (each distinct parameter once)
+    trainable: int  # elements of those that require grad
+    padded_numel: int  # sum of the parameters' padded flat sizes (padding counted)
+    shard_numel: int  # elements each rank of the shard group owns (sum of padded shards)
+    persistent_bytes: int  # params + grads + optimizer state this unit keeps per rank
+    unsharded_bytes: int  # the gathered unit (padded flat buffers) in compute dtype
+    grad_bytes: int  # the unit's full-size gradients in compute dtype during backward
+    reshard_after_forward: bool | int  # what happens after forward: True, False or group of k
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Memory and traffic of one training step per rank, predicted from the model's shapes.
+
+    `peak_bytes` estimates the device memory high-water mark as: persistent device bytes
+    + the root unit gathered with its full gradients (it stays gathered through forward and
+    backward) + the (1 + prefetch) largest other units gathered with their full gradients (the
+    one computing and the prefetched ones; the reduce-scatter input is taken to reuse the
+    gathered params' place) + what the other units keep between forward and backward
+    (SHARD_GRAD_OP / reshard_after_forward=False: the whole unsharded unit; an int k: its 1/k
+    slice). Activations, autograd temporaries and allocator fragmentation are NOT included.
+    """
+
+    world_size: int
+    strategy: str
+    shard_group_size: int
+    replica_group_size: int
+    shard_alignment: int
+    optimizer: str
+    param_dtype: str  # the compute dtype ("" when each parameter computes in its own dtype)
+    reduce_dtype: str
+    cpu_offload: bool
+    prefetch: int
+    units: tuple[UnitRow, ...]
+    param_count: int
+    trainable_count: int
+    persistent: dict[str, int]  # params / grads / optimizer / total bytes per rank
+    persistent_device: int  # of which on the compute device
+    persistent_host: int  # of which in host memory (cpu_offload)
+    largest_unit: str
+    largest_unit_bytes: int  # the transient the largest gathered unit adds
+    peak_bytes: int  # see the class docstring for what it includes
+    comm: dict[str, Any]  # bytes sent per rank per step, keyed like shardkit.comm_stats()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-friendly builtins (units as a list of dicts)."""
+        out = asdict(self)
+        out["units"] = [asdict(u) for u in self.units]
+        return out
+
+    def table(self) -> str:
+        """A readable text table: one line per unit, then per-rank totals."""
+        head = (f"shardkit plan: {self.param_count:,} params ({self.trainable_count:,} trainable), "
+                f"{self.strategy} on {self.world_size} rank(s) (shard group "
+                f"{self.shard_group_size}, replicas {self.replica_group_size})\n"
+                f"compute {self.param_dtype or 'as stored'}, reduce "
+                f"{self.reduce_dtype or 'as stored'}, optimizer {self.optimizer}"
+                f"{', cpu_offload' if self.cpu_offload else ''}, prefetch {self.prefetch}")
+        rows = _collapsed(self.units)
+        width = max([4] + [len(r[0]) for r in rows])
+        cols = f"{'unit':<{width}} {'params/unit':>14} {'shard/rank':>13} {'persist/rank':>13} {'gathered':>11}  reshard"
+        lines = [head, "", cols, "-" * len(cols)]
+        for u in rows:
+            lines.append(f"{u[0]:<{width}} {u[1]:>14,} {u[2]:>13,} {_size(u[3]):>13} {_size(u[4]):>11}  {u[5]}")
+        p = self.persistent
+        lines += ["",
+                  f"persistent per rank: {_size(p['total'])} = params {_size(p['params'])} + grads "
+                  f"{_size(p['grads'])} + optimizer {_size(p['optimizer'])} (device "
+                  f"{_size(self.persistent_device)}, host {_size(self.persistent_host)})",
+                  f"largest gathered unit: {self.largest_unit} ({_size(self.largest_unit_bytes)})",
+                  f"estimated peak per rank: {_size(self.peak_bytes)} on the device "
+                  "(activations not included)",
+                  f"sent per rank per step: {_size(self.comm['total'])} = " + " + ".join(
+                      f"{k} {_size(self.comm[k])} ({self.comm['calls'].get(k, 0)} calls)"
+                      for k in COLLECTIVES)]
+        return "\n".join(lines)
+
+
+def _row_key(u: UnitRow) -> tuple:
+    return (u.params, u.shard_numel, u.persistent_bytes, u.unsharded_bytes, u.reshard_after_forward)
+
+
+def _collapsed(units: tuple[UnitRow, ...]) -> list[tuple]:
+    """Rows for the table, runs of identical consecutive units (the layers) folded into one."""
+    out: list[tuple] = []
+    i = 0
+    while i < len(units):
+        u, j = units[i], i
+        while j + 1 < len(units) and _row_key(units[j + 1]) == _row_key(u):
+            j += 1
+        name = u.name if j == i else f"{u.name}..{units[j].name} (x{j - i + 1})"
+        out.append((name, u.params, u.shard_numel, u.persistent_bytes, u.unsharded_bytes,
+                    u.reshard_after_forward))
+        i = j + 1
+    return out
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in binary units with three significant figures (e.g. 1.23 GiB)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

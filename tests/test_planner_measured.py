@@ -1,0 +1,69 @@
+"""shardkit.plan() against measurement across processes: bytes per step equal comm_stats exactly,
+persistent memory equals the tensors the optimizer holds and is within 5% of process RSS.
+
+The plans are made here, in the test process, on meta-device models (no init, no group); the
+ranks only train and measure (tests/_planner_workers.py, one spawn per world size).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardkit
+
+from _planner_workers import (RESHARD_CASES, Wide, comm_cases, memory_cases, memory_kwargs, shard_kwargs,
+                              spawn_suite, tiny)
+
+pytestmark = pytest.mark.slow  # multi-process: runs by default, skipped by -m 'not slow'
+
+KEYS = ("all_gather", "reduce_scatter", "all_reduce", "total", "calls")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_bytes_per_step_equal_comm_stats(world):
+    results = spawn_suite(world)
+    cases = comm_cases(world)
+    assert len(cases) >= 7
+    for i, case in enumerate(cases):
+        with torch.device("meta"):
+            model = tiny(case["frozen"])
+        planned = shardkit.plan(model, world_size=world, **shard_kwargs(case))
+        for rank, result in enumerate(results):
+            for step, stats in enumerate(result["comm"][i]):
+                measured = {k: stats[k] for k in KEYS}
+                assert measured == planned.comm, (case, rank, step)
+        if world > 1 and case["strategy"] != "NO_SHARD" and planned.shard_group_size > 1:
+            assert planned.comm["all_gather"] > 0  # the comparison covered real traffic
+
+
+def test_persistent_memory_equals_held_tensors_and_rss():
+    results = spawn_suite(2)
+    for i, case in enumerate(memory_cases()):
+        with torch.device("meta"):
+            model = Wide()
+        planned = shardkit.plan(model, world_size=2, **memory_kwargs(case))
+        assert planned.persistent["total"] >= 40 * 2**20  # large against the process's noise
+        for rank, result in enumerate(results):
+            m = result["memory"][i]
+            assert m["held"] == planned.persistent, (case, rank)
+            # RSS from before building the model to after optimizer.step(), the engine's
+            # buffer pool cleared (transient communication buffers, not state).
+            assert abs(m["rss_delta"] - planned.persistent["total"]) <= \
+                0.05 * planned.persistent["total"], (case, rank, m["rss_delta"])
+        if case["cpu_offload"]:
+            assert planned.persistent_host == planned.persistent["total"]
+
+
+def test_reshard_after_forward_int_equals_comm_stats_where_the_engine_has_it():
+    results = spawn_suite(4)
+    if results[0]["reshard_int"] is None:
+        pytest.skip("this engine's shard() takes no reshard_after_forward (the knobs branch adds it)")
+    for i, (value, case) in enumerate(RESHARD_CASES):
+        with torch.device("meta"):
+            model = tiny(case["frozen"])
+        planned = shardkit.plan(model, world_size=4, reshard_after_forward=value,
+                                **shard_kwargs(case))
+        for rank, result in enumerate(results):
+            for step, stats in enumerate(result["reshard_int"][i]):
+                assert {k: stats[k] for k in KEYS} == planned.comm, (value, case, rank, step)
