@@ -167,7 +167,7 @@ def test_table_and_json_forms():
      "multiple of the shard group size (3)"),
     ({"world_size": 4, "reshard_after_forward": 3}, "use one of [1, 2, 4]"),
     ({"world_size": 4, "reshard_after_forward": 2.0}, "must be None, True, False or an int"),
-    ({"world_size": 2, "reshard_after_forward": {"nope": 2}}, "unknown unit(s) ['nope']"),
+    ({"world_size": 2, "reshard_after_forward": {"nope": 2}}, "unit(s) ['nope'] that do not exist"),
     ({"world_size": 2, "optimizer": "lion"}, "choose one of adadelta, adam, adamw, sgd"),
     ({"world_size": 2, "strategy": "zero4"}, "unknown sharding strategy"),
     ({"world_size": 2, "mixed_precision": torch.bfloat16}, "must be a shardkit.MixedPrecision"),

@@ -13,7 +13,7 @@ reduced).
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 from torch import nn
@@ -23,12 +23,10 @@ from ..sharding.comm_stats import CommStats
 from ..sharding.layout import shard_layout
 from ..sharding.plan import ParamPlan, UnitPlan, plan_units
 from ..sharding.policies import MixedPrecision, ShardConfig, ShardingStrategy
+from ..sharding.reshard import ReshardSpec, resolve, unit_label
 from ..wrap import WrapPolicy, as_policy
 from .optimizers import state_tensors
 from .result import Plan, UnitRow
-
-ROOT = "<root>"
-Reshard = bool | int | None
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -62,35 +60,6 @@ def _alignment(shard_alignment: int | None, backend: object) -> int:
     return _positive_int("shard_alignment", 1 if shard_alignment is None else shard_alignment)
 
 
-def _resolve_reshard(value: Reshard, default: bool, group: int, unit: str) -> bool | int:
-    """Normalise one unit's reshard_after_forward to True, False or an int 1 < k < group."""
-    if value is None:
-        return default
-    if isinstance(value, bool):
-        return value
-    if not isinstance(value, int):
-        raise ShardkitError(f"reshard_after_forward for unit {unit!r} must be None, True, False or "
-                            f"an int, got {value!r}")
-    if value < 1 or group % value:
-        raise ShardkitError(f"reshard_after_forward={value} for unit {unit!r} must divide the "
-                            f"shard group size ({group}); HINT: use one of "
-                            f"{[d for d in range(1, group + 1) if group % d == 0]}")
-    if value == group:
-        return True
-    return False if value == 1 else value
-
-
-def _per_unit(reshard: Reshard | Mapping[str, Reshard], names: list[str]) -> dict[str, Reshard]:
-    if not isinstance(reshard, Mapping):
-        return {n: reshard for n in names}
-    given = {ROOT if k == "" else k: v for k, v in reshard.items()}
-    unknown = sorted(set(given) - set(names))
-    if unknown:
-        raise ShardkitError(f"reshard_after_forward names unknown unit(s) {unknown}; the units are "
-                            f"{names}")
-    return {n: given.get(n) for n in names}
-
-
 class _Layout:
     """One distinct parameter's sizes under the plan's groups and dtypes."""
 
@@ -117,7 +86,7 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
          mixed_precision: MixedPrecision | None = None, cpu_offload: bool = False,
          optimizer: str = "adam", hybrid_group_size: int | None = None,
          shard_alignment: int | None = None, backend: object = None, prefetch: int = 1,
-         reshard_after_forward: Reshard | Mapping[str, Reshard] = None) -> Plan:
+         reshard_after_forward: ReshardSpec = None) -> Plan:
     """Predict per-rank memory and bytes sent per step for `model` sharded as shard() would.
 
     The model may live on the meta device (nothing is allocated; a 70B config plans in seconds).
@@ -130,7 +99,7 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     - reshard_after_forward: None (the strategy's default), True, False, or an int k dividing
       the shard group size: after forward each rank keeps its 1/k slice of the unit, and
       backward all-gathers inside its block of k ranks. A dict {unit name: value} sets it per
-      unit ("<root>" is the root).
+      unit ("<root>" is the root), or a callable (unit name, module) -> value, as in shard().
     The returned Plan's docstring says what its peak estimate includes (activations are not).
     """
     if not isinstance(model, nn.Module):
@@ -150,15 +119,16 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     units = plan_units(model, as_policy(auto_wrap_policy))
     if not any(u.params for u in units):
         raise ShardkitError(f"plan() got a model with no parameters ({type(model).__name__})")
-    names = [u.name or ROOT for u in units]
-    per_unit = _per_unit(reshard_after_forward, names)
+    names = [unit_label(u.name) for u in units]
+    # The engine's own normalisation: the same values, defaults and errors as shard().
+    per_unit = dict(zip(names, resolve(reshard_after_forward, units, config, group)))
     rows, split, stats = _rows_and_traffic(units, names, per_unit, group, replicas, align,
                                            config, n_states)
     return _assemble(rows, split, stats, world, strat, group, replicas, align, optimizer, mp,
                      bool(cpu_offload), prefetch)
 
 
-def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[str, Reshard],
+def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[str, bool | int],
                       group: int, replicas: int, align: int, config: ShardConfig,
                       n_states: int) -> tuple[list[UnitRow], dict[str, int], CommStats]:
     stats = CommStats()
@@ -169,7 +139,7 @@ def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[st
         for bucket in _buckets(params, lambda p: p.compute_dtype):
             stats.all_gather(sum(p.shard for p in bucket) * bucket[0].compute_dtype.itemsize, group)
     for name, params in zip(reversed(names), reversed(layouts)):  # backward, root first
-        reshard = _resolve_reshard(per_unit[name], config.reshard_after_forward, group, name)
+        reshard = per_unit[name]
         for bucket in _buckets(params, lambda p: p.compute_dtype):
             size = bucket[0].compute_dtype.itemsize
             if reshard is True:
