@@ -16,6 +16,7 @@ from .spawn import spawn
 from .replicate import replicate
 from . import checkpoint, wrap
 from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, comm_stats, shard)
+from .sharding import register_forward_method
 
 __all__ = [
     "API_VERSION", "Backend", "BackendNotFoundError", "BackendUnavailableError", "Capabilities",
@@ -27,5 +28,6 @@ __all__ = [
     "MixedPrecision", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "shard", "wrap",
     "checkpoint",
 ]
+__all__ += ["register_forward_method"]
 
 _configure_logging()  # SHARDKIT_LOG=debug|info prints the "shardkit" logger to stderr
