@@ -32,7 +32,7 @@ def reduce_plan(exact_ops: frozenset[str], dtype: torch.dtype, shard_size: int,
 
     - "avg" where exact, except for fp16: AVG inside the shard group then across replicas (a
       mean of equal-sized means is the mean); a group of one rank keeps "sum" (a local copy),
-      as NCCL's AVG is not trusted at size 1.
+      as one vendor library's AVG is not trusted at size 1.
     - "premul_sum" with factor 1/ranks otherwise where exact, also for fp16: each input is
       scaled before it is summed, so the sum cannot overflow; applied on the first collective
       that spans more than one rank.

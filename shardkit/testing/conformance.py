@@ -341,7 +341,7 @@ def check_exact_reduce_ops(c: Checker) -> None:
 
     "avg" must give the mean; "premul_sum" with factor 1/world the same pre-scaled sum. The engine
     trusts these for gradients, so a backend that sums instead, or zeroes (as bf16 PREMUL_SUM did
-    on NCCL with power-of-two factors), fails here.
+    on one vendor library with power-of-two factors), fails here.
     """
     declared = c.be.capabilities.exact_reduce_ops
     n = 7
