@@ -23,6 +23,11 @@ from .trace import trace_range
 if TYPE_CHECKING:
     from .reduce_ops import ReducePlan
 
+
+def factor_kwargs(factor: float | None) -> dict[str, float]:
+    """`factor=` for a collective only when there is one: plugins written before it keep working."""
+    return {} if factor is None else {"factor": factor}
+
 _NO_POOL = BufferPool(enabled=False, max_buffers=0)
 
 
@@ -187,7 +192,8 @@ def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, devi
             stats.reduce_scatter(out.numel() * out.element_size(), group.size)
         with trace_range("shardkit::reduce_scatter"):
             work = backend.reduce_scatter_tensor(out, inp.view(-1), group, op=plan.scatter_op,
-                                                 async_op=True, factor=plan.scatter_factor)
+                                                 async_op=True,
+                                                 **factor_kwargs(plan.scatter_factor))
         event = backend.new_event()
         event.record(stream)
     return PendingReduce(list(params), work, out, inp, plan, event)
@@ -206,8 +212,8 @@ def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backen
     if replica is not None and replica.size > 1:
         if stats is not None:
             stats.all_reduce(out.numel() * out.element_size(), replica.size)
-        backend.all_reduce(out, replica, op=pending.plan.replica_op,
-                           factor=pending.plan.replica_factor).wait()
+        backend.all_reduce(out, replica, op=pending.plan.replica_op, async_op=False,
+                           **factor_kwargs(pending.plan.replica_factor)).wait()
     if pending.plan.post_divide != 1.0:
         out.div_(pending.plan.post_divide)
     if pool is not None:
