@@ -17,6 +17,7 @@ from .replicate import replicate
 from . import checkpoint, wrap
 from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, comm_stats, shard)
 from .planner import Plan, plan
+from .sharding import register_forward_method
 
 __all__ = [
     "API_VERSION", "Backend", "BackendNotFoundError", "BackendUnavailableError", "Capabilities",
@@ -28,5 +29,6 @@ __all__ = [
     "MixedPrecision", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "shard", "wrap",
     "checkpoint", "Plan", "plan",
 ]
+__all__ += ["register_forward_method"]
 
 _configure_logging()  # SHARDKIT_LOG=debug|info prints the "shardkit" logger to stderr

@@ -264,15 +264,21 @@ class Backend:
             dist.destroy_process_group()
 
     # ---- collectives ---------------------------------------------------------------------------
-    def _torch_op(self, op: str) -> Any:
+    def exact_reduce_ops_for(self, dtype: torch.dtype) -> frozenset[str]:
+        """The exact averaging ops (Capabilities.exact_reduce_ops) that hold for `dtype` here; a backend narrows them by library version or dtype."""
+        return self.capabilities.exact_reduce_ops
+
+    def torch_reduce_op(self, op: str, factor: float | None = None) -> Any:
+        """Return torch.distributed's reduce op for `op` ("premul_sum" needs a backend override: torch builds it per vendor)."""
         import torch.distributed as dist
 
-        if op not in self.capabilities.reduce_ops:
+        check_reduce_op(self, op, factor)
+        if op == ReduceOp.PREMUL_SUM:
             raise UnsupportedOperationError(
-                f"backend {self.name!r} does not support reduce op {op!r}; it supports "
-                f"{sorted(self.capabilities.reduce_ops)}. For a mean, reduce with 'sum' and divide.")
+                f"backend {self.name!r} declares 'premul_sum' exact but does not build it; "
+                "HINT: override torch_reduce_op() to return the library's pre-scaled sum op")
         return {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX,
-                ReduceOp.MIN: dist.ReduceOp.MIN}[op]
+                ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.AVG: dist.ReduceOp.AVG}[op]
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                                async_op: bool = False) -> Work:
@@ -286,27 +292,28 @@ class Backend:
         return TorchWork(gather(output, input, group=group.handle, async_op=async_op))
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
-                              op: str = ReduceOp.SUM, async_op: bool = False) -> Work:
-        """Reduce `input` across ranks and leave this rank's equal slice in `output`."""
+                              op: str = ReduceOp.SUM, async_op: bool = False, *,
+                              factor: float | None = None) -> Work:
+        """Reduce `input` across ranks and leave this rank's equal slice in `output` ("premul_sum": each input scaled by `factor` first)."""
         import torch.distributed as dist
 
-        torch_op = self._torch_op(op)
+        torch_op = self.torch_reduce_op(op, factor)
         # gloo aborts the whole process on a size mismatch in some torch versions: refuse it first.
         check_flat_sizes("reduce_scatter_tensor", "input", input, "output", output, group)
         if group.size == 1:
-            return copy_locally(output, input)
+            return scale_locally(copy_locally(output, input), output, factor)
         # torch >= 2.12 renamed these (the old names warn); 2.9-2.11 have only the old ones.
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return TorchWork(scatter(output, input, op=torch_op, group=group.handle, async_op=async_op))
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = ReduceOp.SUM,
-                   async_op: bool = False) -> Work:
-        """Reduce `tensor` across ranks in place."""
+                   async_op: bool = False, *, factor: float | None = None) -> Work:
+        """Reduce `tensor` across ranks in place ("premul_sum": each input scaled by `factor` first)."""
         import torch.distributed as dist
 
-        torch_op = self._torch_op(op)
+        torch_op = self.torch_reduce_op(op, factor)
         if group.size == 1:
-            return CompletedWork()
+            return scale_locally(CompletedWork(), tensor, factor)
         return TorchWork(dist.all_reduce(tensor, op=torch_op, group=group.handle, async_op=async_op))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Work:
@@ -366,6 +373,26 @@ def check_flat_sizes(op: str, whole_name: str, whole: torch.Tensor, part_name: s
     if whole.numel() != part.numel() * group.size:
         raise ShardkitError(f"{op} needs {whole_name}.numel() == {part_name}.numel() * group size, "
                             f"got {whole.numel()} vs {part.numel()} x {group.size}")
+
+
+def check_reduce_op(backend: Backend, op: str, factor: float | None) -> None:
+    """Raise UnsupportedOperationError unless `backend` accepts `op`, with a factor exactly for "premul_sum"."""
+    caps = backend.capabilities
+    accepted = caps.reduce_ops | caps.exact_reduce_ops
+    if op not in accepted:
+        raise UnsupportedOperationError(
+            f"backend {backend.name!r} does not support reduce op {op!r}; it supports "
+            f"{sorted(accepted)}. For a mean, reduce with 'sum' and divide.")
+    if (factor is not None) != (op == ReduceOp.PREMUL_SUM):
+        raise ShardkitError(f"reduce op {op!r} with factor={factor!r}: 'premul_sum' needs a "
+                            "factor and no other op takes one")
+
+
+def scale_locally(work: Work, tensor: torch.Tensor, factor: float | None) -> Work:
+    """The pre-scaling a one-rank "premul_sum" still owes its result (nothing for other ops)."""
+    if factor is not None:
+        tensor.mul_(factor)
+    return work
 
 
 def copy_locally(output: torch.Tensor, input: torch.Tensor) -> Work:

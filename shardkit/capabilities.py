@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import ShardkitError
+
 FLOAT_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
+EXACT_REDUCE_OPS = frozenset({"avg", "premul_sum"})  # what exact_reduce_ops may name
 
 
 @dataclass(frozen=True)
@@ -31,12 +34,23 @@ class Capabilities:
     # Collectives run on a torch.distributed process group, which torch.distributed.checkpoint can
     # coordinate through; False: checkpoints are written from host copies of the shards instead.
     torch_process_group: bool = True
-    # Reduce ops the collectives accept; the engine itself only ever asks for "sum".
+    # Reduce ops the collectives accept for general use (the engine's own reductions use "sum").
     reduce_ops: frozenset[str] = frozenset({"sum", "max", "min"})
+    # Averaging ops the collectives compute exactly (within the dtype's rounding of the true mean):
+    # "avg" and/or "premul_sum" (a sum of inputs pre-scaled by a factor). The engine averages
+    # gradients with them instead of "sum" + a divide kernel; the conformance suite checks each
+    # one numerically. Empty: the engine sums and divides itself.
+    exact_reduce_ops: frozenset[str] = frozenset()
     supported_dtypes: frozenset[torch.dtype] = field(default=FLOAT_DTYPES)
     # How long a rank waits on a silent peer before failing when the user sets no timeout: an
     # accelerator job may keep peers waiting for minutes (first compile, autotune), a host job not.
     default_timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+
+    def __post_init__(self) -> None:
+        unknown = self.exact_reduce_ops - EXACT_REDUCE_OPS
+        if unknown:
+            raise ShardkitError(f"Capabilities.exact_reduce_ops names {sorted(unknown)}; it may "
+                                f"only name {sorted(EXACT_REDUCE_OPS)}")
 
     def describe(self) -> dict[str, object]:
         """Return a JSON-friendly dict of the flags, for `shardkit info`."""
@@ -50,6 +64,7 @@ class Capabilities:
             "ranks_share_process": self.ranks_share_process,
             "torch_process_group": self.torch_process_group,
             "reduce_ops": sorted(self.reduce_ops),
+            "exact_reduce_ops": sorted(self.exact_reduce_ops),
             "default_timeout_s": self.default_timeout.total_seconds(),
             "supported_dtypes": sorted(str(d).replace("torch.", "") for d in self.supported_dtypes),
         }

@@ -7,11 +7,17 @@ from typing import Any, Protocol
 
 
 class ReduceOp:
-    """Names of the reduce ops a collective may take. There is deliberately no AVG."""
+    """Names of the reduce ops a collective may take.
+
+    AVG and PREMUL_SUM (a sum of inputs each scaled by a factor) are only for backends that list
+    them in Capabilities.exact_reduce_ops: they are missing or silently wrong on several stacks.
+    """
 
     SUM = "sum"
     MAX = "max"
     MIN = "min"
+    AVG = "avg"
+    PREMUL_SUM = "premul_sum"
     ALL = frozenset({SUM, MAX, MIN})
 
 

@@ -195,19 +195,32 @@ def mp_parity_run(rank: int, world: int, strategy: str = "FULL_SHARD",
         F.cross_entropy(logits, y).backward()
         opt.step()
         opt.zero_grad()
-        grads = None
-        for r in range(world):
-            replica = copy.deepcopy(ref).to(torch.bfloat16)
-            xr, yr = (t.to(dev) for t in batch(step, r))
-            F.cross_entropy(replica(xr.to(torch.bfloat16)), yr).backward()
-            g = [p.grad.float() for p in replica.parameters()]
-            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
-        for p, g in zip(ref.parameters(), grads):
-            p.grad = g / world
+        mp_reference_grads(ref, step, world)
         ref_opt.step()
         ref_opt.zero_grad()
         diffs.append(max_diff(full_params(model), ref))
     return diffs
+
+
+def mp_reference_grads(ref: torch.nn.Module, step: int, world: int,
+                       output_dtype: torch.dtype | None = None) -> list[float]:
+    """Set ref's grads to the mean of per-rank bf16 replicas' grads (cast to fp32, summed in rank
+    order); the logits are cast to `output_dtype` before the loss. Returns each rank's loss."""
+    dev = shardkit.current_context().device
+    grads, losses = None, []
+    for r in range(world):
+        replica = copy.deepcopy(ref).to(torch.bfloat16)
+        xr, yr = (t.to(dev) for t in batch(step, r))
+        logits = replica(xr.to(torch.bfloat16))
+        loss = F.cross_entropy(logits if output_dtype is None else logits.to(output_dtype), yr)
+        loss.backward()
+        losses.append(loss.item())
+        g = [p.grad.float() for p in replica.parameters()]
+        grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+    assert grads is not None
+    for p, g in zip(ref.parameters(), grads):
+        p.grad = g / world
+    return losses
 
 
 def unshard_checks(rank: int, world: int) -> dict:

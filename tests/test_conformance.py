@@ -5,6 +5,7 @@ Each (backend, world size) is one spawn shared by all its checks; each check is 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -40,9 +41,9 @@ class MiswiredBackend(CPUBackend):
 
     name = "miswired"
 
-    def _torch_op(self, op: str) -> Any:
+    def torch_reduce_op(self, op: str, factor: float | None = None) -> Any:
         # Silently maps every op it does not know to SUM, the way AVG goes wrong on some stacks.
-        return super()._torch_op(op if op in self.capabilities.reduce_ops else "sum")
+        return super().torch_reduce_op(op if op in self.capabilities.reduce_ops else "sum")
 
     def all_reduce(self, tensor: torch.Tensor, group: shardkit.Group, op: str = "sum",
                    async_op: bool = False) -> shardkit.Work:
@@ -65,3 +66,42 @@ def test_suite_catches_a_miswired_backend() -> None:
     assert "broadcast from 1" in result.failure("broadcast")
     assert "broadcast from group rank 1" in result.failure("new_group")
     assert "op='avg'" in result.failure("unsupported_op")
+
+
+class LyingAverager(CPUBackend):
+    """Declares AVG and PREMUL_SUM exact, but AVG sums and bf16 PREMUL_SUM returns zeros."""
+
+    name = "lying-averager"
+    capabilities = dataclasses.replace(CPUBackend.capabilities,
+                                       exact_reduce_ops=frozenset({"avg", "premul_sum"}))
+
+    def torch_reduce_op(self, op: str, factor: float | None = None) -> Any:
+        """AVG silently becomes SUM; PREMUL_SUM is done below as a scaled SUM."""
+        return super().torch_reduce_op("sum" if op in ("avg", "premul_sum") else op)
+
+    def reduce_scatter_tensor(self, output, input, group, op="sum", async_op=False, *,
+                              factor=None):
+        """PREMUL_SUM: right in fp32, zeros in bf16 (the NCCL bug this check exists for)."""
+        if op == "premul_sum":
+            input = input * (0.0 if input.dtype == torch.bfloat16 else factor)
+        return super().reduce_scatter_tensor(output, input, group, op)
+
+    def all_reduce(self, tensor, group, op="sum", async_op=False, *, factor=None):
+        """Same lies as reduce_scatter_tensor."""
+        if op == "premul_sum":
+            tensor.mul_(0.0 if tensor.dtype == torch.bfloat16 else factor)
+        return super().all_reduce(tensor, group, op)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_suite_catches_a_backend_whose_declared_exact_ops_are_wrong() -> None:
+    """A declared AVG that sums, and a bf16 PREMUL_SUM that zeroes, fail exact_reduce_ops."""
+    result = run_world(LyingAverager(), 2, checks=["exact_reduce_ops"])
+    assert result.failed_checks() == ["exact_reduce_ops"]
+    text = result.failure("exact_reduce_ops")
+    for what in ("all_reduce avg torch.float32", "reduce_scatter avg torch.bfloat16",
+                 "all_reduce premul_sum torch.bfloat16", "reduce_scatter premul_sum torch.bfloat16"):
+        assert what in text
+    assert "premul_sum torch.float32" not in text  # the fp32 pre-scaled sum is right
+    assert "expected the mean over 2 ranks" in text

@@ -15,7 +15,7 @@ from shardkit.handles import Group
 from shardkit.launch_env import LaunchEnv
 from shardkit.testing import CHECK_NAMES, run_world
 from shardkit_backends.cuda import CUDABackend
-from shardkit_backends.cuda.policy import bf16_ready, bind_device_id, version_tuple
+from shardkit_backends.cuda.policy import bf16_ready, bind_device_id, exact_reduce_ops, version_tuple
 
 HAS_GPU = CUDABackend.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU, a CUDA build of torch and "
@@ -214,3 +214,41 @@ def test_real_gpu_nccl_world_one_streams_memory_and_bf16():
     assert facts["stream_result_ok"] and facts["side_is_not_main"]
     assert facts["freed_bytes"] == 4 << 20 and facts["realloc_bytes"] == 4 << 20
     assert facts["peak_ge_alloc"]
+
+
+# ---- exact reduce ops (AVG / PREMUL_SUM), decided from the NCCL version ------------------------
+@pytest.mark.parametrize("nccl, dtype, ops", [
+    (None, torch.float32, set()),                                # no NCCL
+    ((2, 9, 9), torch.float32, set()),                           # AVG / PREMUL_SUM came in 2.10
+    ((2, 10, 3), torch.float32, {"avg", "premul_sum"}),
+    ((2, 26, 2), torch.float16, {"avg", "premul_sum"}),
+    ((2, 26, 2), torch.float64, {"avg", "premul_sum"}),
+    ((2, 26, 2), torch.bfloat16, {"avg"}),                       # bf16 PREMUL_SUM zeroes
+    ((2, 9, 9), torch.bfloat16, set()),
+])
+def test_exact_reduce_ops_policy(nccl, dtype, ops):
+    got, why = exact_reduce_ops(nccl, dtype)
+    assert got == ops and why
+    if dtype == torch.bfloat16 and nccl and nccl >= (2, 10):
+        assert "190745" in why
+
+
+def test_cuda_declares_avg_and_premul_sum_and_narrows_per_dtype(monkeypatch):
+    assert CUDABackend.capabilities.exact_reduce_ops == {"avg", "premul_sum"}
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 26, 2))
+    be = CUDABackend()
+    assert be.exact_reduce_ops_for(torch.float32) == {"avg", "premul_sum"}
+    assert be.exact_reduce_ops_for(torch.bfloat16) == {"avg"}
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 8, 4))
+    assert be.exact_reduce_ops_for(torch.float32) == set()
+
+
+def test_cuda_builds_premul_sum_through_torch_nccl(monkeypatch):
+    made = []
+    monkeypatch.setattr(dist, "_make_nccl_premul_sum", lambda factor: made.append(factor) or "op")
+    be = CUDABackend()
+    assert be.torch_reduce_op("premul_sum", 0.25) == "op" and made == [0.25]
+    assert be.torch_reduce_op("avg") is dist.ReduceOp.AVG
+    with pytest.raises(ShardkitError, match="needs a factor"):
+        be.torch_reduce_op("premul_sum")

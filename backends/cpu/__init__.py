@@ -20,6 +20,8 @@ class CPUBackend(Backend):
     priority = 0
     # gloo runs collectives on its own threads, so async handles overlap with compute.
     # A host job has no first compile to wait for: a silent peer is dead after 30 s.
+    # No exact_reduce_ops: gloo's AVG (torch >= 2.8) is itself a SUM then a divide, so it would
+    # save no kernel, and older gloo has none.
     capabilities = Capabilities(has_streams=False, async_collectives=True,
                                 supports_storage_resize=True, shard_alignment=1,
                                 default_timeout=datetime.timedelta(seconds=30))

@@ -9,10 +9,11 @@ import torch
 from typing_extensions import override
 
 from shardkit import Backend, Capabilities
+from shardkit.backend import check_reduce_op
 from shardkit.handles import Group
 from shardkit.launch_env import LaunchEnv
 
-from .policy import bf16_ready, bind_device_id
+from .policy import bf16_ready, bind_device_id, exact_reduce_ops
 
 
 class CUDABackend(Backend):
@@ -21,8 +22,11 @@ class CUDABackend(Backend):
     name = "cuda"
     device_type = "cuda"
     priority = 30
+    # NCCL >= 2.10 averages in the collective itself; exact_reduce_ops_for narrows per version
+    # and dtype (policy.exact_reduce_ops).
     capabilities = Capabilities(has_streams=True, async_collectives=True,
-                                supports_storage_resize=True, shard_alignment=1)
+                                supports_storage_resize=True, shard_alignment=1,
+                                exact_reduce_ops=frozenset({"avg", "premul_sum"}))
 
     @override
     @classmethod
@@ -122,6 +126,23 @@ class CUDABackend(Backend):
         # TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper group (pytorch#178977).
         if group.size > 1:
             dist.barrier(group=group.handle, device_ids=[torch.cuda.current_device()])
+
+    @override
+    def exact_reduce_ops_for(self, dtype: torch.dtype) -> frozenset[str]:
+        """AVG / PREMUL_SUM where this NCCL computes them exactly for `dtype` (policy.exact_reduce_ops)."""
+        ops, _why = exact_reduce_ops(_nccl_version(), dtype)
+        return ops & self.capabilities.exact_reduce_ops
+
+    @override
+    def torch_reduce_op(self, op: str, factor: float | None = None) -> Any:
+        """NCCL's pre-scaled sum for "premul_sum" (torch builds it per call from the factor)."""
+        if op == "premul_sum":
+            import torch.distributed as dist
+
+            check_reduce_op(self, op, factor)  # raises unless a factor was given
+            assert factor is not None
+            return dist._make_nccl_premul_sum(factor)
+        return super().torch_reduce_op(op, factor)
 
     @override
     def ddp_kwargs(self, device: torch.device) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Decisions the CUDA backend takes from version numbers: device_id binding and bf16 readiness.
+"""Decisions the CUDA backend takes from version numbers: device_id binding, bf16 readiness and
+which averaging reduce ops are exact.
 
 Pure functions of their inputs, so every branch is tested on machines without a GPU.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import re
 from typing import Mapping
+
+import torch
 
 from shardkit.errors import ShardkitError
 
@@ -67,3 +70,25 @@ def bf16_ready(cuda_version: str | None, native_bf16: bool,
     """The T5 FSDP tutorial's bf16_ready: CUDA >= 11, native bf16 on the GPU, NCCL >= 2.10."""
     return (bool(cuda_version) and native_bf16 and version_tuple(cuda_version) >= (11, 0)
             and nccl_version is not None and tuple(nccl_version) >= (2, 10))
+
+
+def exact_reduce_ops(nccl_version: tuple[int, ...] | None,
+                     dtype: torch.dtype) -> tuple[frozenset[str], str]:
+    """Return (the averaging ops NCCL computes exactly for `dtype`, why).
+
+    ncclAvg and the pre-scaled sum (ncclRedOpCreatePreMulSum, torch's PREMUL_SUM) arrived in
+    NCCL 2.10. bf16 PREMUL_SUM is left out: torch hands NCCL a host factor stored as a 4-byte
+    float where NCCL reads 2 bytes, so every power-of-two factor (1/2, 1/4, ...) arrives as zero
+    and the reduction silently returns zeros (pytorch#190745; the fix, pytorch PR #190747, is in
+    no release known here). AVG computes its own factor inside NCCL and is not affected.
+    """
+    if nccl_version is None or tuple(nccl_version) < (2, 10):
+        return frozenset(), f"NCCL {_dotted(nccl_version)} has no AVG / PREMUL_SUM (added in 2.10)"
+    if dtype == torch.bfloat16:
+        return frozenset({"avg"}), ("bf16 PREMUL_SUM reads its factor as zero for powers of two "
+                                    "(pytorch#190745)")
+    return frozenset({"avg", "premul_sum"}), f"NCCL {_dotted(nccl_version)} >= 2.10"
+
+
+def _dotted(version: tuple[int, ...] | None) -> str:
+    return "unknown" if version is None else ".".join(str(v) for v in version)

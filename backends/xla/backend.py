@@ -24,7 +24,7 @@ import torch
 from typing_extensions import override
 
 from shardkit import Backend, Capabilities
-from shardkit.backend import check_flat_sizes, copy_locally, process_memory
+from shardkit.backend import check_flat_sizes, check_reduce_op, copy_locally, process_memory
 from shardkit.errors import ShardkitError, UnsupportedOperationError
 from shardkit.handles import CompletedWork, Group, ReduceOp, Work
 from shardkit.launch_env import LaunchEnv
@@ -209,11 +209,8 @@ class XLABackend(Backend):
             dist.destroy_process_group()
 
     # ---- collectives ----------------------------------------------------------------------------
-    def _reduce_type(self, op: str) -> str:
-        if op not in self.capabilities.reduce_ops:
-            raise UnsupportedOperationError(
-                f"backend {self.name!r} does not support reduce op {op!r}; it supports "
-                f"{sorted(self.capabilities.reduce_ops)}. For a mean, reduce with 'sum' and divide.")
+    def _reduce_type(self, op: str, factor: float | None) -> str:
+        check_reduce_op(self, op, factor)  # declares no exact_reduce_ops: XLA's AVG is unreliable
         xm = _xm()
         return {ReduceOp.SUM: xm.REDUCE_SUM, ReduceOp.MAX: xm.REDUCE_MAX,
                 ReduceOp.MIN: xm.REDUCE_MIN}[op]
@@ -248,9 +245,10 @@ class XLABackend(Backend):
 
     @override
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
-                              op: str = ReduceOp.SUM, async_op: bool = False) -> Work:
+                              op: str = ReduceOp.SUM, async_op: bool = False, *,
+                              factor: float | None = None) -> Work:
         """Reduce `input` across ranks and leave this rank's equal slice in `output`."""
-        reduce_type = self._reduce_type(op)
+        reduce_type = self._reduce_type(op, factor)
         check_flat_sizes("reduce_scatter_tensor", "input", input, "output", output, group)
         if group.size == 1:
             return copy_locally(output, input)
@@ -261,9 +259,9 @@ class XLABackend(Backend):
 
     @override
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = ReduceOp.SUM,
-                   async_op: bool = False) -> Work:
+                   async_op: bool = False, *, factor: float | None = None) -> Work:
         """Reduce `tensor` across ranks in place."""
-        reduce_type = self._reduce_type(op)
+        reduce_type = self._reduce_type(op, factor)
         if group.size == 1:
             return CompletedWork()
 

@@ -25,6 +25,9 @@ class XPUBackend(Backend):
     name = "xpu"
     device_type = "xpu"
     priority = 20
+    # No exact_reduce_ops: oneCCL lacks AVG for reduce and for scale-out all-reduce
+    # (uxlfoundation/oneCCL#195), and xccl's PREMUL_SUM needs a workaround across nodes
+    # (intel/torch-xpu-ops#2903); the engine sums and divides.
     capabilities = Capabilities(has_streams=True, async_collectives=True,
                                 supports_storage_resize=True, shard_alignment=1)
     # Everything learnt about the machine comes from here; tests put a stand-in in its place.

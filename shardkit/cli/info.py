@@ -110,6 +110,7 @@ def _capability_text(caps: dict[str, Any]) -> str:
     flags = [f"{k}={_yes(v) if isinstance(v, bool) else v}" for k, v in caps.items()
              if not isinstance(v, list)]
     return (" ".join(flags) + f"; reduce ops: {', '.join(caps['reduce_ops'])}"
+            f"; exact averaging ops: {', '.join(caps['exact_reduce_ops']) or 'none (sum + divide)'}"
             f"; dtypes: {', '.join(caps['supported_dtypes'])}")
 
 

@@ -6,14 +6,17 @@ shard and gathered tensor), collectives (fused copy-in, collective, fused copy-o
 factors), buffers (flat-buffer reuse on host-ordered devices), lifecycle (a unit's ShardedState /
 TrainingState machines), reshard (per-unit reshard_after_forward values, k-rank groups), unit
 (the lifecycle transitions and the reduce of one unit), state (per-model context, execution
-order, prefetch, backward finaliser), hooks (module and autograd hooks), materialize (meta-device
-init), api (shard()), module_api (no_sync, unshard, gradient sync, explicit prefetch), clip
+order, prefetch, backward finaliser), hooks (module and autograd hooks), forward_methods (other
+methods run under the hooks), reduce_ops (AVG / PREMUL_SUM or SUM + divide), materialize
+(meta-device init), api (shard()), module_api (no_sync, unshard, gradient sync, explicit
+prefetch), clip
 (clip_grad_norm_), comm_stats (bytes sent), views (the checkpoint contract), trace (`shardkit::`
 profiler ranges, free without a profiler).
 """
 
 from .api import shard
 from .clip import clip_grad_norm_
+from .forward_methods import register_forward_method
 from .module_api import ShardedModule, get_state
 from .policies import MixedPrecision, ShardingStrategy
 from .views import (ShardView, iter_unit_full_params, load_full_param_, shard_views,
@@ -32,3 +35,4 @@ def comm_stats(model, reset: bool = False) -> dict:
 __all__ = ["MixedPrecision", "ShardView", "ShardedModule", "ShardingStrategy", "clip_grad_norm_",
            "comm_stats", "get_state", "iter_unit_full_params", "load_full_param_", "shard",
            "shard_views", "sharding_info"]
+__all__ += ["register_forward_method"]

@@ -32,7 +32,7 @@ def _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
     mp = mixed_precision or MixedPrecision()
     if not isinstance(mp, MixedPrecision):
         raise ShardkitError(f"mixed_precision must be a shardkit.MixedPrecision, got {type(mp).__name__}")
-    for field_name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+    for field_name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
         dtype = getattr(mp, field_name)
         if dtype is not None and not backend.supports_dtype(dtype):
             raise ShardkitError(f"backend {backend.name!r} does not support {dtype} "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -20,6 +20,13 @@ from .comm_stats import CommStats
 from .param import ShardedParam
 from .trace import trace_range
 
+if TYPE_CHECKING:
+    from .reduce_ops import ReducePlan
+
+
+def factor_kwargs(factor: float | None) -> dict[str, float]:
+    """`factor=` for a collective only when there is one: plugins written before it keep working."""
+    return {} if factor is None else {"factor": factor}
 
 _NO_POOL = BufferPool(enabled=False, max_buffers=0)
 
@@ -146,7 +153,7 @@ class PendingReduce:
     work: Work
     output: torch.Tensor
     input: torch.Tensor  # kept alive until the collective finished reading it
-    post_divide: float
+    plan: "ReducePlan"
     event: Any = None  # recorded on the reduce stream after the collective was queued
 
 
@@ -180,8 +187,8 @@ def pack_grads(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | No
 
 def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, device: torch.device,
                          group: Group, backend: Backend, stats: CommStats | None,
-                         post_divide: float, stream: Any = None) -> PendingReduce:
-    """Start the sum reduce-scatter of a packed input; this rank's row lands in the output."""
+                         plan: "ReducePlan", stream: Any = None) -> PendingReduce:
+    """Start the reduce-scatter (the plan's op) of a packed input; this rank's row lands in the output."""
     # Packing ran on the compute stream (where the grads were made); the collective runs on the
     # reduce stream so the next unit's backward can proceed.
     stream = stream if stream is not None else backend.current_stream(device)
@@ -192,16 +199,17 @@ def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, devi
         if stats is not None:
             stats.reduce_scatter(out.numel() * out.element_size(), group.size)
         with trace_range("shardkit::reduce_scatter"):
-            work = backend.reduce_scatter_tensor(out, inp.view(-1), group, op="sum",
-                                                 async_op=True)
+            work = backend.reduce_scatter_tensor(out, inp.view(-1), group, op=plan.scatter_op,
+                                                 async_op=True,
+                                                 **factor_kwargs(plan.scatter_factor))
         event = backend.new_event()
         event.record(stream)
-    return PendingReduce(list(params), work, out, inp, post_divide, event)
+    return PendingReduce(list(params), work, out, inp, plan, event)
 
 
 def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backend,
                   stats: CommStats | None, pool: BufferPool | None = None) -> None:
-    """Wait for the reduce-scatter, sum across replicas, divide, and add into the sharded grads."""
+    """Wait for the reduce-scatter, reduce across replicas, divide (SUM plans), add into the sharded grads."""
     pending.work.wait()
     device = pending.output.device
     current = backend.current_stream(device)
@@ -212,9 +220,10 @@ def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backen
     if replica is not None and replica.size > 1:
         if stats is not None:
             stats.all_reduce(out.numel() * out.element_size(), replica.size)
-        backend.all_reduce(out, replica, op="sum").wait()
-    if pending.post_divide != 1.0:
-        out.div_(pending.post_divide)
+        backend.all_reduce(out, replica, op=pending.plan.replica_op, async_op=False,
+                           **factor_kwargs(pending.plan.replica_factor)).wait()
+    if pending.plan.post_divide != 1.0:
+        out.div_(pending.plan.post_divide)
     if pool is not None:
         pool.give(pending.input)
     params = pending.params

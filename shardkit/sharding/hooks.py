@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -35,12 +36,32 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def _cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+# module -> the unit whose hooks it carries; weak, so a dropped model takes its units with it.
+_UNIT_OF: "weakref.WeakKeyDictionary[torch.nn.Module, ShardUnit]" = weakref.WeakKeyDictionary()
+
+
+def unit_of(module: torch.nn.Module) -> ShardUnit | None:
+    """The unit whose forward hooks `module` carries, or None for a module that is not a unit."""
+    return _UNIT_OF.get(module)
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     def cast(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and torch.is_floating_point(x) and x.dtype != dtype:
             return x.to(dtype)
         return x
-    return tree_map(cast, args), tree_map(cast, kwargs)
+    return tree_map(cast, tree)
+
+
+def _cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+
+
+def cast_outputs(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict,
+                 output: Any) -> Any:
+    """Cast the model's floating-point outputs to MixedPrecision.output_dtype (root unit only)."""
+    dtype = unit.state.config.mixed_precision.output_dtype
+    return output if dtype is None else _cast_floats(output, dtype)
 
 
 def _route_through_post_backward(unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -115,10 +136,16 @@ def _pre_backward(unit: ShardUnit) -> None:
 def install(unit: ShardUnit) -> list:
     """Register the forward hooks of one unit on its module; return the removable handles."""
     module = unit.module
-    return [
+    _UNIT_OF[module] = unit
+    handles = [
         module.register_forward_pre_hook(
             lambda m, a, k, u=unit: pre_forward(u, m, a, k), with_kwargs=True, prepend=True),
         module.register_forward_hook(
             lambda m, a, k, o, u=unit: post_forward(u, m, a, k, o), with_kwargs=True,
             always_call=False),
     ]
+    if unit is unit.state.root_unit and unit.state.config.mixed_precision.output_dtype is not None:
+        # Root only: inner units' outputs feed the root's own layers, which compute in param_dtype.
+        handles.append(module.register_forward_hook(
+            lambda m, a, k, o, u=unit: cast_outputs(u, m, a, k, o), with_kwargs=True))
+    return handles

@@ -39,7 +39,10 @@ class MixedPrecision:
     param_dtype: torch.dtype | None = None  # dtype params are gathered and computed in
     reduce_dtype: torch.dtype | None = None  # dtype gradients are reduced in (default: param_dtype)
     buffer_dtype: torch.dtype | None = None  # dtype buffers are cast to during forward
-    cast_forward_inputs: bool = True  # cast floating-point forward inputs to param_dtype
+    cast_forward_inputs: bool = True  # cast floating-point forward inputs of every unit to param_dtype
+    # dtype the model's floating-point outputs are cast to (e.g. fp32 logits for the loss). Only
+    # the root's: inner units' outputs feed the root's own layers, which compute in param_dtype.
+    output_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)

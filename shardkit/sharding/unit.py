@@ -9,11 +9,12 @@ from torch import nn
 from typing_extensions import override
 
 from ..handles import Group
-from .collectives import (PendingGather, PendingReduce, copy_out, divide_factors, finish_reduce,
-                          pack_grads, start_all_gather, start_reduce_scatter)
+from .collectives import (PendingGather, PendingReduce, copy_out, finish_reduce, pack_grads,
+                          start_all_gather, start_reduce_scatter)
 from .lifecycle import (SHARDED_MOVES, TRAINING_MOVES, ShardedState, TrainingState,
                         advance)
 from .param import ShardedParam
+from .reduce_ops import reduce_plan
 from .trace import trace_range
 
 if TYPE_CHECKING:
@@ -225,15 +226,17 @@ class ShardUnit:
         started = []
         with trace_range(self.trace_names["reduce"]):
             for dtype, params in self.reduce_buckets.items():
-                pre, post = divide_factors(st.dp_size, dtype)
+                # The backend's exact AVG / PREMUL_SUM where it has them, else SUM + divide.
+                plan = reduce_plan(st.backend.exact_reduce_ops_for(dtype), dtype,
+                                   st.shard_group.size, st.dp_size // st.shard_group.size)
                 grads = [p.take_unsharded_grad() for p in params]
-                inp = pack_grads(params, grads, dtype, st.device, st.shard_group.size, pre,
-                                 st.pool)
+                inp = pack_grads(params, grads, dtype, st.device, st.shard_group.size,
+                                 plan.pre_divide, st.pool)
                 # The full-size grads are dead once packed: free them before the collective
                 # runs (it may allocate its own temporaries).
                 del grads
                 started.append(start_reduce_scatter(params, inp, st.device, st.shard_group,
-                                                     st.backend, st.stats, post,
+                                                     st.backend, st.stats, plan,
                                                      stream=st.reduce_stream))
         return started
 

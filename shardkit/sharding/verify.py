@@ -22,6 +22,7 @@ from ..errors import ShardkitError
 from ..failure import where
 from ..failure.watchdog import default_store_client
 from ..handles import Group, ReduceOp, Work
+from .collectives import factor_kwargs
 
 ENV = "SHARDKIT_DEBUG"
 _PREFIX = "shardkit/verify/"
@@ -77,16 +78,19 @@ class VerifyingBackend:
         return self._backend.all_gather_into_tensor(output, input, group, async_op=async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
-                              op: str = ReduceOp.SUM, async_op: bool = False) -> Work:
+                              op: str = ReduceOp.SUM, async_op: bool = False, *,
+                              factor: float | None = None) -> Work:
         """Verify, then reduce-scatter."""
         self._verify(f"reduce_scatter({op})", input, group)
-        return self._backend.reduce_scatter_tensor(output, input, group, op=op, async_op=async_op)
+        return self._backend.reduce_scatter_tensor(output, input, group, op=op, async_op=async_op,
+                                                   **factor_kwargs(factor))
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = ReduceOp.SUM,
-                   async_op: bool = False) -> Work:
+                   async_op: bool = False, *, factor: float | None = None) -> Work:
         """Verify, then all-reduce."""
         self._verify(f"all_reduce({op})", tensor, group)
-        return self._backend.all_reduce(tensor, group, op=op, async_op=async_op)
+        return self._backend.all_reduce(tensor, group, op=op, async_op=async_op,
+                                        **factor_kwargs(factor))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group,
                   async_op: bool = False) -> Work:

@@ -327,11 +327,61 @@ def check_sum_then_divide_mean(c: Checker) -> None:
                        f"reduce_scatter mean {dtype}", rtol=tol, atol=tol)
 
 
+EXACT_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _mean_inputs(rank: int, n: int) -> torch.Tensor:
+    """Small integers whose mean over any number of ranks is an integer: exact in every dtype."""
+    return torch.remainder(torch.arange(n, dtype=torch.float64), 5) + 1 + 2 * rank
+
+
+@_check
+def check_exact_reduce_ops(c: Checker) -> None:
+    """Every op in capabilities.exact_reduce_ops averages exactly, for each dtype it is claimed for.
+
+    "avg" must give the mean; "premul_sum" with factor 1/world the same pre-scaled sum. The engine
+    trusts these for gradients, so a backend that sums instead, or zeroes (as bf16 PREMUL_SUM did
+    on one vendor library with power-of-two factors), fails here.
+    """
+    declared = c.be.capabilities.exact_reduce_ops
+    n = 7
+    for dtype in EXACT_OP_DTYPES:
+        if not c.be.supports_dtype(dtype):
+            continue
+        claimed = c.be.exact_reduce_ops_for(dtype)
+        c.expect(claimed <= declared, f"exact_reduce_ops_for({dtype}) = {sorted(claimed)} claims "
+                 f"ops outside capabilities.exact_reduce_ops {sorted(declared)}")
+        for op in sorted(claimed & declared):
+            factor = 1.0 / c.size if op == "premul_sum" else None
+            stacked = torch.stack([_mean_inputs(r, c.size * n) for r in range(c.size)])
+            mean = stacked.mean(0)
+            # 1/world is exact for powers of two; otherwise each pre-scaled input rounds once.
+            tol = 0.0 if op == "avg" or c.size & (c.size - 1) == 0 else (
+                1e-6 if dtype == torch.float32 else 2e-2)
+            t = c.put(_mean_inputs(c.rank, c.size * n), dtype)
+            c.be.all_reduce(t, c.ctx.world, op=op, factor=factor).wait()
+            _expect_mean(c, t, mean, f"all_reduce {op} {dtype}", tol)
+            out = c.blank(n, dtype)
+            c.be.reduce_scatter_tensor(out, c.put(_mean_inputs(c.rank, c.size * n), dtype),
+                                       c.ctx.world, op=op, factor=factor).wait()
+            _expect_mean(c, out, mean[c.rank * n:(c.rank + 1) * n], f"reduce_scatter {op} {dtype}",
+                         tol)
+
+
+def _expect_mean(c: Checker, actual: torch.Tensor, mean: torch.Tensor, what: str,
+                 tol: float) -> None:
+    what = f"{what} (expected the mean over {c.size} ranks)"
+    if tol == 0.0:
+        c.expect_equal(actual, mean, what)
+    else:
+        c.expect_close(actual, mean, what, rtol=tol, atol=tol)
+
+
 @_check
 def check_unsupported_op(c: Checker) -> None:
     """A reduce op the backend does not list raises UnsupportedOperationError naming the backend."""
     for op in UNSUPPORTED_OPS:
-        if op in c.be.capabilities.reduce_ops:
+        if op in c.be.capabilities.reduce_ops | c.be.capabilities.exact_reduce_ops:
             continue
         t = c.put(values(c.rank, 4), torch.float32)
         c.expect_raises(UnsupportedOperationError,
