@@ -225,13 +225,18 @@ def loss_parity_run(rank: int, steps: int) -> dict:
             "params": full_params(model)}
 
 
-def hybrid_refused(rank: int) -> str:
-    """What shardkit.shard(HYBRID_SHARD, hybrid_group_size=2) raises on 4 XLA device threads."""
-    try:
-        shardkit.shard(TinyNet(), strategy="HYBRID_SHARD", hybrid_group_size=2)
-    except Exception as exc:  # noqa: BLE001 - the type and text are the result
-        return f"{type(exc).__name__}: {exc}"
-    return "nothing raised"
+def subgroups_refused(rank: int) -> dict[str, str]:
+    """What shard() raises on 4 XLA device threads for HYBRID_SHARD in groups of 2 and for reshard_after_forward=2."""
+    cases = {"hybrid": dict(strategy="HYBRID_SHARD", hybrid_group_size=2),
+             "reshard_int": dict(strategy="FULL_SHARD", reshard_after_forward=2)}
+    out = {}
+    for name, kwargs in cases.items():
+        try:
+            shardkit.shard(TinyNet(), **kwargs)
+            out[name] = "nothing raised"
+        except Exception as exc:  # noqa: BLE001 - the type and text are the result
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def hang_on_rank_one(rank: int) -> int:

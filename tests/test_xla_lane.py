@@ -92,12 +92,13 @@ def test_shard_grad_op_two_devices():
 
 
 @pytest.mark.timeout(600)
-def test_hybrid_shard_refused_at_shard_with_the_reason():
-    texts = shardkit.spawn(_workers().hybrid_refused, 4, backend="xla")
-    for text in texts:
-        assert text.startswith("UnsupportedOperationError"), text
-        assert "replica groups should contain 4 replicas, but found 2" in text, text
-        assert "HINT: use ShardingStrategy.FULL_SHARD" in text, text
+def test_hybrid_shard_and_int_reshard_refused_at_shard_with_the_reason():
+    for texts in shardkit.spawn(_workers().subgroups_refused, 4, backend="xla"):
+        for text in texts.values():
+            assert text.startswith("UnsupportedOperationError"), text
+            assert "replica groups should contain 4 replicas, but found 2" in text, text
+            assert "HINT: use ShardingStrategy.FULL_SHARD" in text, text
+            assert "reshard_after_forward True or False" in text, text
 
 
 @pytest.mark.timeout(120)

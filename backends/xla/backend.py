@@ -193,9 +193,10 @@ class XLABackend(Backend):
                 f"backend {self.name!r} supports groups of all {world} ranks or of one rank, not "
                 f"{list(ranks)}: torch_xla 2.9 compiles every collective for all {world} devices and "
                 "XLA rejects replica groups that leave ranks out ('replica groups should contain "
-                f"{world} replicas, but found {len(ranks)}'), so HYBRID_SHARD with 1 < "
-                f"hybrid_group_size < {world} cannot run. HINT: use ShardingStrategy.FULL_SHARD, or "
-                f"HYBRID_SHARD with hybrid_group_size={world} (shard over all ranks) on XLA")
+                f"{world} replicas, but found {len(ranks)}'), so neither HYBRID_SHARD with 1 < "
+                f"hybrid_group_size < {world} nor reshard_after_forward=k with 1 < k < {world} can "
+                "run. HINT: use ShardingStrategy.FULL_SHARD (or HYBRID_SHARD with "
+                f"hybrid_group_size={world}) and reshard_after_forward True or False on XLA")
         _local.groups_made = getattr(_local, "groups_made", 0) + 1
         return self._group(ranks, int(_xr().global_ordinal()), index=_local.groups_made)
 
