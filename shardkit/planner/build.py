@@ -20,6 +20,7 @@ from torch import nn
 
 from ..errors import ShardkitError
 from ..sharding.comm_stats import CommStats
+from ..sharding.groups import shard_group_size
 from ..sharding.layout import shard_layout
 from ..sharding.plan import ParamPlan, UnitPlan, plan_units
 from ..sharding.policies import MixedPrecision, ShardConfig, ShardingStrategy
@@ -33,20 +34,6 @@ def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ShardkitError(f"{name} must be a positive int, got {value!r}")
     return value
-
-
-def _groups(strategy: ShardingStrategy, world: int, hybrid: int | None) -> tuple[int, int]:
-    """(shard group size, replica group size), as sharding.groups.make_groups builds them."""
-    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-        return world, 1
-    if strategy is ShardingStrategy.NO_SHARD:
-        return 1, world
-    k = world if hybrid is None else _positive_int("hybrid_group_size", hybrid)
-    if world % k:
-        raise ShardkitError(f"HYBRID_SHARD needs the world size ({world}) to be a multiple of the "
-                            f"shard group size ({k}); HINT: pass hybrid_group_size=<a divisor of "
-                            "the world size>")
-    return k, world // k
 
 
 def _alignment(shard_alignment: int | None, backend: object) -> int:
@@ -113,7 +100,12 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ShardkitError(f"prefetch must be an int >= 0 (0 disables prefetch), got {prefetch!r}")
     n_states = state_tensors(optimizer)
-    group, replicas = _groups(strat, world, hybrid_group_size)
+    if hybrid_group_size is not None:
+        _positive_int("hybrid_group_size", hybrid_group_size)
+    # local_world_size=world: shard() would default HYBRID's group to the local world size,
+    # which a plan made off the cluster cannot know; the docstring says world_size is used.
+    group = shard_group_size(strat, hybrid_group_size, world, world)
+    replicas = world // group
     align = _alignment(shard_alignment, backend)
     config = ShardConfig(strat, mp, bool(cpu_offload), prefetch, hybrid_group_size)
     units = plan_units(model, as_policy(auto_wrap_policy))
