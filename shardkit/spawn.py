@@ -12,6 +12,8 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
+from typing_extensions import override
+
 from .errors import PeerFailedError, ShardkitError
 
 if TYPE_CHECKING:
@@ -57,14 +59,11 @@ def _rank_body(local_rank: int, fn: Callable, backend: Any, args: tuple,
 def _rank_main(local_rank: int, fn: Callable, nprocs: int, port: int, backend: Any,
                args: tuple, threads: int | None, result_dir: str,
                timeout: datetime.timedelta | float | None = None,
-               environ: dict[str, str] | None = None) -> None:
-    if environ is not None:
-        # A rank forked from the forkserver has the server's environment, which is the parent's
-        # at the server's start: give it the parent's environment as it is now.
-        os.environ.clear()
-        os.environ.update(environ)
+               caller: _CallerState | None = None) -> None:
+    if caller is not None:
+        caller.apply()
         if threads is None:
-            threads = _omp_threads(environ)
+            threads = _omp_threads(caller.environ)
     error_file = os.path.join(result_dir, f"rank{local_rank}.err")
     os.environ.update({"RANK": str(local_rank), "WORLD_SIZE": str(nprocs),
                        "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nprocs),
@@ -128,10 +127,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | Backen
 
     grace = resolve_timeout(timeout, DEFAULT_ACCELERATOR_TIMEOUT).total_seconds() + 15.0
     with tempfile.TemporaryDirectory(prefix="shardkit-spawn-") as result_dir:
-        environ = dict(os.environ) if method == "forkserver" else None
+        caller = _CallerState(dict(os.environ)) if method == "forkserver" else None
         context = mp.start_processes(_rank_main, nprocs=nprocs, join=False, start_method=method,
                                      args=(fn, nprocs, free_port(), backend, args,
-                                           threads_per_rank, result_dir, timeout, environ))
+                                           threads_per_rank, result_dir, timeout, caller))
         _join(context.processes, grace, result_dir)
         out = []
         for rank in range(nprocs):
@@ -161,6 +160,49 @@ def _start_method(requested: str | None) -> str:
         preload = list(getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or [])
         forkserver.set_forkserver_preload(preload + [m for m in ("torch",) if m not in preload])
     return method
+
+
+class _CallerState:
+    """The caller's environment, stdout and stderr as they are now, for a rank forked from the forkserver.
+
+    Such a rank otherwise starts with the server's (the caller's when the server started, which a
+    test's output capture or a later redirect has replaced since): pickled as each rank starts, this
+    carries the current ones.
+    """
+
+    def __init__(self, environ: dict[str, str], fds: tuple[Any, ...] = ()) -> None:
+        self.environ = environ
+        self.fds = fds
+
+    @override
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        # DupFd while the rank's process object is pickled: the fd travels with it to the child.
+        fds = tuple(reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+        return (_CallerState, (self.environ, fds))
+
+    def apply(self) -> None:
+        """In the rank: take the caller's environment and write to the caller's stdout and stderr."""
+        import sys
+
+        os.environ.clear()
+        os.environ.update(self.environ)
+        for target, stream, wrapped in zip((1, 2), (sys.stdout, sys.stderr), self.fds):
+            if wrapped is not None:
+                if stream is not None:
+                    stream.flush()
+                fd = wrapped.detach()
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def _omp_threads(environ: dict[str, str]) -> int | None:

@@ -1,8 +1,9 @@
-"""`shardkit.spawn` start methods: ranks see the caller's environment as it is at each call."""
+"""`shardkit.spawn` start methods: ranks see the caller's environment and output as they are at each call."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -12,21 +13,29 @@ import shardkit
 MARK = "SHARDKIT_TEST_SPAWN_MARK"
 
 
-def report(rank: int) -> dict:
+def report(rank: int, say: bool = True) -> dict:
     """What a rank sees: the marker variable, its thread count, and its process group size."""
+    if say:
+        print(f"rank {rank} to stdout", flush=True)
+        print(f"rank {rank} to stderr", file=sys.stderr, flush=True)
     return {"rank": rank, "mark": os.environ.get(MARK), "threads": torch.get_num_threads(),
             "world": shardkit.current_context().world_size, "pid": os.getpid()}
 
 
 @pytest.mark.slow
-def test_forkserver_ranks_get_the_environment_of_each_call(monkeypatch):
+def test_forkserver_ranks_get_the_environment_and_output_of_each_call(monkeypatch, capfd):
     monkeypatch.delenv(MARK, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    first = shardkit.spawn(report, 2, backend="cpu", start_method="forkserver")
-    # The server is running now, started with the environment above; the next call changes it.
+    with capfd.disabled():  # a server this starts keeps the terminal as its stdout and stderr
+        first = shardkit.spawn(report, 2, False, backend="cpu", start_method="forkserver")
+    # The server is running now, started with the environment above; the next call changes it
+    # and captures the output.
     monkeypatch.setenv(MARK, "set after the server started")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     second = shardkit.spawn(report, 2, backend="cpu", start_method="forkserver")
+    out, err = capfd.readouterr()
+    assert sorted(out.splitlines()) == ["rank 0 to stdout", "rank 1 to stdout"], (out, err)
+    assert sorted(err.splitlines()) == ["rank 0 to stderr", "rank 1 to stderr"], (out, err)
     assert [(r["rank"], r["mark"], r["threads"], r["world"]) for r in first] == [
         (0, None, 2, 2), (1, None, 2, 2)]
     assert [(r["rank"], r["mark"], r["threads"], r["world"]) for r in second] == [
