@@ -12,6 +12,8 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
+from typing_extensions import override
+
 from .errors import PeerFailedError, ShardkitError
 
 if TYPE_CHECKING:
@@ -56,7 +58,12 @@ def _rank_body(local_rank: int, fn: Callable, backend: Any, args: tuple,
 
 def _rank_main(local_rank: int, fn: Callable, nprocs: int, port: int, backend: Any,
                args: tuple, threads: int | None, result_dir: str,
-               timeout: datetime.timedelta | float | None = None) -> None:
+               timeout: datetime.timedelta | float | None = None,
+               caller: _CallerState | None = None) -> None:
+    if caller is not None:
+        caller.apply()
+        if threads is None:
+            threads = _omp_threads(caller.environ)
     error_file = os.path.join(result_dir, f"rank{local_rank}.err")
     os.environ.update({"RANK": str(local_rank), "WORLD_SIZE": str(nprocs),
                        "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nprocs),
@@ -84,19 +91,24 @@ def _rank_main(local_rank: int, fn: Callable, nprocs: int, port: int, backend: A
 
 def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | Backend | None = None,
           threads_per_rank: int | None = None,
-          timeout: datetime.timedelta | float | None = None) -> list[Any]:
+          timeout: datetime.timedelta | float | None = None,
+          start_method: str | None = None) -> list[Any]:
     """Run ``fn(rank, *args)`` on `nprocs` local processes with shardkit initialised; return their results in rank order.
 
     If a rank fails, the others stop within `timeout` (see shardkit.init) and this raises a
     SpawnError with every rank's report: the failed rank's traceback and where the rest were.
+    `start_method` is "forkserver" (the default where the platform has it: ranks fork from a
+    server that imported torch once, so each spawn skips seconds of imports per rank) or "spawn"
+    (a fresh interpreter per rank).
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ShardkitError(f"nprocs must be a positive integer, got {nprocs!r}")
+    method = _start_method(start_method)
     try:
         pickle.dumps((fn, args))
     except Exception as exc:
         raise ShardkitError(
-            f"spawn needs a function and arguments that pickle (ranks start fresh interpreters): "
+            f"spawn needs a function and arguments that pickle (ranks run in other processes): "
             f"{exc}. Define the function at module level, not as a lambda or nested function, "
             "and guard the call with `if __name__ == '__main__':`") from exc
     from .backend import check_local_ranks
@@ -115,15 +127,91 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | Backen
 
     grace = resolve_timeout(timeout, DEFAULT_ACCELERATOR_TIMEOUT).total_seconds() + 15.0
     with tempfile.TemporaryDirectory(prefix="shardkit-spawn-") as result_dir:
-        context = mp.start_processes(_rank_main, nprocs=nprocs, join=False, start_method="spawn",
+        caller = _CallerState(dict(os.environ)) if method == "forkserver" else None
+        context = mp.start_processes(_rank_main, nprocs=nprocs, join=False, start_method=method,
                                      args=(fn, nprocs, free_port(), backend, args,
-                                           threads_per_rank, result_dir, timeout))
+                                           threads_per_rank, result_dir, timeout, caller))
         _join(context.processes, grace, result_dir)
         out = []
         for rank in range(nprocs):
             with open(os.path.join(result_dir, f"rank{rank}.pkl"), "rb") as f:
                 out.append(pickle.load(f))
         return out
+
+
+START_METHODS = ("forkserver", "spawn")
+
+
+def _start_method(requested: str | None) -> str:
+    """The start method to use: `requested`, else forkserver where the platform has it, else spawn."""
+    import multiprocessing
+
+    available = [m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]
+    method = requested if requested is not None else available[0]
+    if method not in available:
+        raise ShardkitError(f"start_method must be one of {', '.join(available)} on this platform, "
+                            f"got {requested!r}")
+    if method == "forkserver":
+        from multiprocessing import forkserver
+
+        # Importing torch is most of a rank's start-up (seconds, more on a busy machine): the
+        # server does it once and every rank of every later spawn forks from it. Modules a
+        # caller asked the server to preload stay; none of this changes a running server.
+        preload = list(getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or [])
+        forkserver.set_forkserver_preload(preload + [m for m in ("torch",) if m not in preload])
+    return method
+
+
+class _CallerState:
+    """The caller's environment, stdout and stderr as they are now, for a rank forked from the forkserver.
+
+    Such a rank otherwise starts with the server's (the caller's when the server started, which a
+    test's output capture or a later redirect has replaced since): pickled as each rank starts, this
+    carries the current ones.
+    """
+
+    def __init__(self, environ: dict[str, str], fds: tuple[Any, ...] = ()) -> None:
+        self.environ = environ
+        self.fds = fds
+
+    @override
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        # DupFd while the rank's process object is pickled: the fd travels with it to the child.
+        fds = tuple(reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+        return (_CallerState, (self.environ, fds))
+
+    def apply(self) -> None:
+        """In the rank: take the caller's environment and write to the caller's stdout and stderr."""
+        import sys
+
+        os.environ.clear()
+        os.environ.update(self.environ)
+        for target, stream, wrapped in zip((1, 2), (sys.stdout, sys.stderr), self.fds):
+            if wrapped is not None:
+                if stream is not None:
+                    stream.flush()
+                fd = wrapped.detach()
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _omp_threads(environ: dict[str, str]) -> int | None:
+    """The thread count OMP_NUM_THREADS asks for (torch read the server's when the server started)."""
+    try:
+        value = int(environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return None
+    return value if value > 0 else None
 
 
 def _join(processes: list, grace: float, result_dir: str) -> None:

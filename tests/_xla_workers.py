@@ -18,6 +18,7 @@ import shardkit
 from shardkit.sharding import iter_unit_full_params
 
 from _models import Block, TinyNet, batch, global_batch
+from _optim_state import local_optim
 
 STEPS = 5
 # XLA on the CPU client; lower LLVM optimisation halves the compile time; a spawn that hangs prints
@@ -165,23 +166,6 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for _, tensors in iter_unit_full_params(model):
         out.update({k: v.detach().cpu().clone() for k, v in tensors.items()})
-    return out
-
-
-def local_optim(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    """This rank's real (non-padding) optimizer state: {(fqn, key): (offset, host tensor or number)}."""
-    from shardkit.sharding import shard_views
-
-    out, seen = {}, set()
-    for v in shard_views(model):
-        if id(v.param) in seen:
-            continue
-        seen.add(id(v.param))
-        for key, value in opt.state[v.param].items():
-            if key == "step":
-                out[(v.fqn, key)] = (0, float(value))
-            else:
-                out[(v.fqn, key)] = (v.offset, value[:v.valid_numel].detach().cpu().clone())
     return out
 
 

@@ -19,7 +19,8 @@ import shardkit
 import shardkit.checkpoint as ck
 from shardkit.checkpoint.dcp_io import FlatTensorReader
 
-from _xla_workers import full_params, local_optim, sharded_tinynet, train_steps
+from _optim_state import local_optim
+from _xla_workers import full_params, sharded_tinynet, train_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -67,8 +68,8 @@ def test_host_path_writes_what_dcp_writes_and_both_load(tmp_path):
             assert torch.equal(loaded[0]["params"][name], value), (path, host, ranks, name)
         if ranks == 2:
             for rank in range(2):
-                for key, (offset, value) in saved[rank]["optim"].items():
-                    got_offset, got_value = loaded[rank]["optim"][key]
-                    assert got_offset == offset
-                    assert (torch.equal(got_value, value) if isinstance(value, torch.Tensor)
-                            else got_value == value), key
+                (pieces, steps), (got_pieces, got_steps) = saved[rank]["optim"], loaded[rank]["optim"]
+                assert got_steps == steps and got_pieces.keys() == pieces.keys() and pieces
+                for key, (offset, value, _) in pieces.items():
+                    got_offset, got_value, _ = got_pieces[key]
+                    assert got_offset == offset and torch.equal(got_value, value), key

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 import _xla_workers
 from _xla_workers import cpu_pjrt  # noqa: F401 - autouse fixture: XLA on the CPU client
+from _optim_state import assemble_optim
 import shardkit
 import shardkit.checkpoint as ck
 from shardkit.checkpoint.dcp_io import FlatTensorReader
@@ -50,36 +51,16 @@ def xla_saved(tmp_path_factory):
     return root, runs
 
 
-def _assemble(per_rank: list[dict]) -> dict:
-    """Full flattened optimizer state from every rank's (offset, real part) pieces."""
-    full: dict = {}
-    for pieces in per_rank:
-        for key, (offset, value) in pieces.items():
-            if not isinstance(value, torch.Tensor):
-                full[key] = value
-                continue
-            if value.numel() == 0:  # a rank whose shard is all padding
-                continue
-            t = full.setdefault(key, torch.full((0,), float("nan")))
-            if t.numel() < offset + value.numel():
-                t = torch.cat([t, torch.full((offset + value.numel() - t.numel(),), float("nan"))])
-            t[offset:offset + value.numel()] = value
-            full[key] = t
-    return full
-
-
 def _assert_same_state(saved: list[dict], loaded: list[dict]) -> None:
     for run in loaded:
         assert run["params"].keys() == saved[0]["params"].keys()
         for name, value in saved[0]["params"].items():
             assert torch.equal(run["params"][name], value), name
-    want, got = _assemble([r["optim"] for r in saved]), _assemble([r["optim"] for r in loaded])
-    assert want.keys() == got.keys() and len(want) > 0
+    want, want_steps = assemble_optim([r["optim"] for r in saved])
+    got, got_steps = assemble_optim([r["optim"] for r in loaded])
+    assert want.keys() == got.keys() and len(want) > 0 and got_steps == want_steps
     for key, value in want.items():
-        if isinstance(value, torch.Tensor):
-            assert not value.isnan().any() and torch.equal(got[key], value), key
-        else:
-            assert got[key] == value, key
+        assert not value.isnan().any() and torch.equal(got[key], value), key
 
 
 def _global_losses(runs: list[dict]) -> list[float]:
