@@ -6,6 +6,8 @@ process plans the same cases on the meta device and compares.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import gc
 
@@ -107,6 +109,19 @@ def memory_kwargs(case: dict) -> dict:
             "auto_wrap_policy": shardkit.wrap.ModuleListItems()}
 
 
+def _return_large_frees_to_the_os() -> None:
+    """Make glibc unmap every freed block of >= 64 KiB at once, so RSS follows what is allocated.
+
+    Set in the running rank (mallopt) rather than through MALLOC_MMAP_THRESHOLD_, which glibc
+    reads only when a process starts: ranks forked from shardkit.spawn's forkserver inherit the
+    server's malloc settings, not the environment of the test that spawned them.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    m_mmap_threshold = -3  # glibc's M_MMAP_THRESHOLD; also turns off its dynamic threshold
+    if libc.mallopt(m_mmap_threshold, 65536) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: RSS cannot be compared here")
+
+
 def _one_memory_case(rank: int, case: dict) -> dict:
     """RSS from before building the model to after optimizer.step(), the pool cleared."""
     backend = shardkit.current_context().backend
@@ -140,12 +155,8 @@ RESHARD_CASES = [  # (reshard_after_forward, comm case) at 4 ranks
 ]
 
 
-def _reshard_int_cases(rank: int) -> list[list[dict]] | None:
-    """Bytes per step under int reshard_after_forward, where this engine's shard() takes it."""
-    import inspect
-
-    if "reshard_after_forward" not in inspect.signature(shardkit.shard).parameters:
-        return None
+def _reshard_int_cases(rank: int) -> list[list[dict]]:
+    """Bytes per step under int reshard_after_forward (and a per-unit dict)."""
     return [_one_comm_case(rank, case, reshard_after_forward=value)
             for value, case in RESHARD_CASES]
 
@@ -154,6 +165,7 @@ def suite(rank: int, world: int) -> dict:
     """Every planner measurement at this world size, in one spawn."""
     out: dict = {"comm": [_one_comm_case(rank, c) for c in comm_cases(world)]}
     if world == 2:
+        _return_large_frees_to_the_os()
         out["memory"] = [_one_memory_case(rank, c) for c in memory_cases()]
     if world == 4:
         out["reshard_int"] = _reshard_int_cases(rank)
@@ -162,17 +174,5 @@ def suite(rank: int, world: int) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def spawn_suite(world: int) -> list[dict]:
-    """Run `suite` on `world` ranks once per test session, large frees handed back to the OS."""
-    import os
-
-    # glibc reads this at process start: frees of >= 64 KiB blocks unmap at once, so RSS
-    # follows what is really allocated.
-    old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    try:
-        return shardkit.spawn(suite, world, world, threads_per_rank=1)
-    finally:
-        if old is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = old
+    """Run `suite` on `world` ranks once per test session."""
+    return shardkit.spawn(suite, world, world, threads_per_rank=1)

@@ -55,10 +55,8 @@ def test_persistent_memory_equals_held_tensors_and_rss():
             assert planned.persistent_host == planned.persistent["total"]
 
 
-def test_reshard_after_forward_int_equals_comm_stats_where_the_engine_has_it():
+def test_reshard_after_forward_int_equals_comm_stats():
     results = spawn_suite(4)
-    if results[0]["reshard_int"] is None:
-        pytest.skip("this engine's shard() takes no reshard_after_forward (the knobs branch adds it)")
     for i, (value, case) in enumerate(RESHARD_CASES):
         with torch.device("meta"):
             model = tiny(case["frozen"])
