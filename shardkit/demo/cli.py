@@ -5,18 +5,12 @@ from __future__ import annotations
 import argparse
 import time
 
+from ..cli.args import positive_int
 from .memory import memory_report
 from .models import MODELS
 from .train import DEFAULT_LR, PRECISIONS, DemoConfig, run_demo
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,20 +23,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "train loss, test accuracy and each rank's memory.")
     p.add_argument("--backend", default=None,
                    help="backend name (default: the best available one, see `shardkit info`)")
-    p.add_argument("--nproc", type=_positive_int, default=d.nproc, help="number of local ranks")
+    p.add_argument("--nproc", type=positive_int, default=d.nproc, help="number of local ranks")
     p.add_argument("--strategy", default=d.strategy, type=str.upper, choices=STRATEGIES)
     p.add_argument("--model", default=d.model, choices=sorted(MODELS),
                    help="shallow: 1.2M params; deep: 94M params (slow on CPU); mlp: 4.8M")
-    p.add_argument("--epochs", type=_positive_int, default=d.epochs)
+    p.add_argument("--epochs", type=positive_int, default=d.epochs)
     p.add_argument("--mixed-precision", default=d.mixed_precision, choices=sorted(PRECISIONS))
-    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="per rank")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="per rank")
     p.add_argument("--optimizer", default=d.optimizer, choices=sorted(DEFAULT_LR))
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate (default: 1.0 for adadelta, 1e-3 for adamw)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--threads-per-rank", type=_positive_int, default=None,
+    p.add_argument("--threads-per-rank", type=positive_int, default=None,
                    help="compute threads per rank (default: cores / nproc)")
-    p.add_argument("--limit-train", type=_positive_int, default=None,
+    p.add_argument("--limit-train", type=positive_int, default=None,
                    help="train on only the first N training images (quick checks)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(run=run)

@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from ..cli.args import positive_int
 from ..errors import ShardkitError
 from ..sharding.policies import MixedPrecision, ShardingStrategy
 from .build import plan
@@ -33,13 +34,6 @@ def _reshard(text: str) -> bool | int | None:
             f"expected default, true, false or an int, got {text!r}") from None
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `plan` subcommand on an argparse subparsers object."""
     p = subparsers.add_parser(
@@ -55,10 +49,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="a transformers model type (gpt2, llama, t5, ...) or a config.json path")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a --hf-config setting (repeatable), e.g. --set n_layer=24")
-    p.add_argument("--world-size", type=_positive_int, required=True)
+    p.add_argument("--world-size", type=positive_int, required=True)
     p.add_argument("--strategy", default="FULL_SHARD", type=str.upper,
                    choices=[s.name for s in ShardingStrategy])
-    p.add_argument("--hybrid-group-size", type=_positive_int, default=None,
+    p.add_argument("--hybrid-group-size", type=positive_int, default=None,
                    help="HYBRID_SHARD shard group size (default: the world size)")
     p.add_argument("--wrap", default=None, metavar="CLASSNAME[,CLASSNAME]",
                    help="module classes that become units (default for --hf-config: the "
