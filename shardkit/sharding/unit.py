@@ -46,6 +46,12 @@ class ShardUnit:
         self.gather_buckets = _buckets(params, lambda p: p.compute_dtype)
         trainable = [p for p in params if p.requires_grad]
         self.reduce_buckets = _buckets(trainable, lambda p: state.config.reduce_dtype(p.master_dtype))
+        # Fixed for the model's life (backend, dtypes, group sizes): decided once, not per step,
+        # since a backend may consult its library version to answer.
+        self.reduce_plans = {
+            dtype: reduce_plan(state.backend.exact_reduce_ops_for(dtype), dtype,
+                               state.shard_group.size, state.dp_size // state.shard_group.size)
+            for dtype in self.reduce_buckets}
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.pending: list[tuple[list[ShardedParam], PendingGather]] = []
@@ -226,9 +232,7 @@ class ShardUnit:
         started = []
         with trace_range(self.trace_names["reduce"]):
             for dtype, params in self.reduce_buckets.items():
-                # The backend's exact AVG / PREMUL_SUM where it has them, else SUM + divide.
-                plan = reduce_plan(st.backend.exact_reduce_ops_for(dtype), dtype,
-                                   st.shard_group.size, st.dp_size // st.shard_group.size)
+                plan = self.reduce_plans[dtype]  # exact AVG / PREMUL_SUM, else SUM + divide
                 grads = [p.take_unsharded_grad() for p in params]
                 inp = pack_grads(params, grads, dtype, st.device, st.shard_group.size,
                                  plan.pre_divide, st.pool)
