@@ -92,13 +92,8 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     if not isinstance(model, nn.Module):
         raise ShardkitError(f"plan() needs an nn.Module, got {type(model).__name__}")
     world = _positive_int("world_size", world_size)
-    strat = ShardingStrategy.parse(strategy)
-    mp = mixed_precision or MixedPrecision()
-    if not isinstance(mp, MixedPrecision):
-        raise ShardkitError(f"mixed_precision must be a shardkit.MixedPrecision, got "
-                            f"{type(mp).__name__}")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ShardkitError(f"prefetch must be an int >= 0 (0 disables prefetch), got {prefetch!r}")
+    config = ShardConfig.build(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size)
+    strat, mp = config.strategy, config.mixed_precision
     n_states = state_tensors(optimizer)
     if hybrid_group_size is not None:
         _positive_int("hybrid_group_size", hybrid_group_size)
@@ -107,7 +102,6 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     group = shard_group_size(strat, hybrid_group_size, world, world)
     replicas = world // group
     align = _alignment(shard_alignment, backend)
-    config = ShardConfig(strat, mp, bool(cpu_offload), prefetch, hybrid_group_size)
     units = plan_units(model, as_policy(auto_wrap_policy))
     if not any(u.params for u in units):
         raise ShardkitError(f"plan() got a model with no parameters ({type(model).__name__})")

@@ -29,19 +29,16 @@ from .unit import ShardUnit
 
 def _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
             param_init_fn, backend: Backend) -> ShardConfig:
-    mp = mixed_precision or MixedPrecision()
-    if not isinstance(mp, MixedPrecision):
-        raise ShardkitError(f"mixed_precision must be a shardkit.MixedPrecision, got {type(mp).__name__}")
+    config = ShardConfig.build(strategy, mixed_precision, cpu_offload, prefetch,
+                               hybrid_group_size, param_init_fn)
+    mp = config.mixed_precision
     for field_name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
         dtype = getattr(mp, field_name)
         if dtype is not None and not backend.supports_dtype(dtype):
             raise ShardkitError(f"backend {backend.name!r} does not support {dtype} "
                                 f"(MixedPrecision.{field_name}); HINT: use one of "
                                 f"{sorted(str(d) for d in backend.capabilities.supported_dtypes)}")
-    if not isinstance(prefetch, int) or prefetch < 0:
-        raise ShardkitError(f"prefetch must be an int >= 0 (0 disables prefetch), got {prefetch!r}")
-    return ShardConfig(ShardingStrategy.parse(strategy), mp, bool(cpu_offload), prefetch,
-                       hybrid_group_size, param_init_fn)
+    return config
 
 
 def _check_not_sharded(model: nn.Module) -> None:

@@ -56,6 +56,21 @@ class ShardConfig:
     hybrid_group_size: int | None
     param_init_fn: Callable[[torch.nn.Module], Any] | None = None
 
+    @classmethod
+    def build(cls, strategy: "ShardingStrategy | str", mixed_precision: MixedPrecision | None,
+              cpu_offload: bool, prefetch: int, hybrid_group_size: int | None,
+              param_init_fn: Callable[[torch.nn.Module], Any] | None = None) -> "ShardConfig":
+        """Check and normalise what shard() (or plan()) was given; raise a clear error on bad values."""
+        mp = mixed_precision or MixedPrecision()
+        if not isinstance(mp, MixedPrecision):
+            raise ShardkitError(f"mixed_precision must be a shardkit.MixedPrecision, got "
+                                f"{type(mp).__name__}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ShardkitError(f"prefetch must be an int >= 0 (0 disables prefetch), got "
+                                f"{prefetch!r}")
+        return cls(ShardingStrategy.parse(strategy), mp, bool(cpu_offload), prefetch,
+                   hybrid_group_size, param_init_fn)
+
     @property
     def reshard_after_forward(self) -> bool:
         """FULL_SHARD and HYBRID_SHARD free gathered params after forward; the others keep them."""
