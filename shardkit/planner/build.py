@@ -24,6 +24,7 @@ from ..sharding.groups import shard_group_size
 from ..sharding.layout import shard_layout
 from ..sharding.plan import ParamPlan, UnitPlan, plan_units
 from ..sharding.policies import MixedPrecision, ShardConfig, ShardingStrategy
+from ..sharding.unit import dtype_buckets
 from ..sharding.reshard import ReshardSpec, resolve, unit_label
 from ..wrap import WrapPolicy, as_policy
 from .optimizers import state_tensors
@@ -58,14 +59,6 @@ class _Layout:
         self.compute_dtype = config.compute_dtype(param.dtype)
         self.reduce_dtype = config.reduce_dtype(param.dtype)
         self.padded, self.shard = shard_layout(self.numel, group, alignment)
-
-
-def _buckets(params: list[_Layout], key: Callable[[_Layout], torch.dtype]) -> list[list[_Layout]]:
-    # One flat collective per dtype per unit, as ShardUnit buckets them.
-    out: dict[torch.dtype, list[_Layout]] = {}
-    for p in params:
-        out.setdefault(key(p), []).append(p)
-    return list(out.values())
 
 
 def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "FULL_SHARD",
@@ -122,17 +115,17 @@ def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[st
     rows: list[UnitRow] = []
     layouts = [[_Layout(p, group, align, config) for p in u.params] for u in units]
     for params in layouts:  # forward: every unit is gathered once
-        for bucket in _buckets(params, lambda p: p.compute_dtype):
+        for bucket in dtype_buckets(params, lambda p: p.compute_dtype).values():
             stats.all_gather(sum(p.shard for p in bucket) * bucket[0].compute_dtype.itemsize, group)
     for name, params in zip(reversed(names), reversed(layouts)):  # backward, root first
         reshard = per_unit[name]
-        for bucket in _buckets(params, lambda p: p.compute_dtype):
+        for bucket in dtype_buckets(params, lambda p: p.compute_dtype).values():
             size = bucket[0].compute_dtype.itemsize
             if reshard is True:
                 stats.all_gather(sum(p.shard for p in bucket) * size, group)
             elif reshard is not False:  # kept 1/k slices, gathered back inside k ranks
                 stats.all_gather(sum(p.padded // reshard for p in bucket) * size, reshard)
-        for bucket in _buckets([p for p in params if p.trainable], lambda p: p.reduce_dtype):
+        for bucket in dtype_buckets([p for p in params if p.trainable], lambda p: p.reduce_dtype).values():
             out_bytes = sum(p.shard for p in bucket) * bucket[0].reduce_dtype.itemsize
             stats.reduce_scatter(out_bytes, group)
             if replicas > 1:

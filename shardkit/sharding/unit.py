@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 from torch import nn
@@ -21,9 +21,13 @@ if TYPE_CHECKING:
     from .state import ShardState
 
 
-def _buckets(params: list[ShardedParam], key) -> dict[torch.dtype, list[ShardedParam]]:
-    # One flat collective per dtype: a flat buffer holds a single dtype.
-    out: dict[torch.dtype, list[ShardedParam]] = {}
+P = TypeVar("P")
+
+
+def dtype_buckets(params: list[P], key: Callable[[P], torch.dtype]) -> dict[torch.dtype, list[P]]:
+    """Group `params` by `key` in first-seen order: one flat collective per dtype per unit."""
+    # A flat buffer holds a single dtype.
+    out: dict[torch.dtype, list[P]] = {}
     for p in params:
         out.setdefault(key(p), []).append(p)
     return out
@@ -43,9 +47,9 @@ class ShardUnit:
         self.module = module
         self.name = name or "<root>"
         self.params = params
-        self.gather_buckets = _buckets(params, lambda p: p.compute_dtype)
+        self.gather_buckets = dtype_buckets(params, lambda p: p.compute_dtype)
         trainable = [p for p in params if p.requires_grad]
-        self.reduce_buckets = _buckets(trainable, lambda p: state.config.reduce_dtype(p.master_dtype))
+        self.reduce_buckets = dtype_buckets(trainable, lambda p: state.config.reduce_dtype(p.master_dtype))
         # Fixed for the model's life (backend, dtypes, group sizes): decided once, not per step,
         # since a backend may consult its library version to answer.
         self.reduce_plans = {
