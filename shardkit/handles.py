@@ -64,6 +64,40 @@ class TorchWork:
         return self._done or bool(self._work.is_completed())
 
 
+class ComposedWork:
+    """One collective a backend built from several: waits on each part, then runs `finish` once.
+
+    `finish` completes the result on the caller's side (a copy out of a scratch buffer), so it
+    runs on the first wait(), or on the first is_completed() that finds every part done.
+    """
+
+    __slots__ = ("_parts", "_finish", "_done")
+
+    def __init__(self, parts: list[Any], finish: Any = None) -> None:
+        self._parts = parts
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> bool:
+        """Wait on every part, then finish."""
+        if not self._done:
+            for part in self._parts:
+                part.wait()
+            self._complete()
+        return True
+
+    def is_completed(self) -> bool:
+        """True once every part finished (finishing the result then, if not yet done)."""
+        if not self._done and all(part.is_completed() for part in self._parts):
+            self._complete()
+        return self._done
+
+    def _complete(self) -> None:
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+
+
 @dataclass(frozen=True)
 class Group:
     """A set of ranks that run collectives together, as seen from one rank."""
