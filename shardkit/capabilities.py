@@ -25,6 +25,10 @@ class Capabilities:
     supports_storage_resize: bool = True
     # Flat shards are padded to a multiple of world_size * shard_alignment elements.
     shard_alignment: int = 1
+    # Parameters of at least this many elements get collectives of their own, gathered straight
+    # into their storage and reduced straight from their gradient (sharding/buckets.py): worth one
+    # more call where a full-size copy costs as much as the collective (host memory). None: never.
+    direct_collective_numel: int | None = None
     # The compiler may hoist or keep gathered params alive unless a barrier pins them (XLA).
     needs_compiler_barrier: bool = False
     # A graph must be cut after the optimizer step (XLA's mark_step / sync).
@@ -47,6 +51,9 @@ class Capabilities:
     default_timeout: datetime.timedelta = datetime.timedelta(minutes=10)
 
     def __post_init__(self) -> None:
+        if self.direct_collective_numel is not None and self.direct_collective_numel < 1:
+            raise ShardkitError(f"Capabilities.direct_collective_numel must be None or >= 1, got "
+                                f"{self.direct_collective_numel}")
         unknown = self.exact_reduce_ops - EXACT_REDUCE_OPS
         if unknown:
             raise ShardkitError(f"Capabilities.exact_reduce_ops names {sorted(unknown)}; it may "
@@ -59,6 +66,7 @@ class Capabilities:
             "async_collectives": self.async_collectives,
             "supports_storage_resize": self.supports_storage_resize,
             "shard_alignment": self.shard_alignment,
+            "direct_collective_numel": self.direct_collective_numel,
             "needs_compiler_barrier": self.needs_compiler_barrier,
             "needs_step_boundary": self.needs_step_boundary,
             "ranks_share_process": self.ranks_share_process,

@@ -3,7 +3,6 @@ unit), explicit prefetch, and set_requires_gradient_sync (module level so shardk
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +11,8 @@ import shardkit
 from shardkit.sharding import get_state, shard_views
 
 from _models import Block, TinyNet, batch
-from _sharding_workers import LazyLikeCPU, mp_parity_run, parity_run, spawn_suite
+from _sharding_workers import (LazyLikeCPU, mp_parity_run, parity_run, spawn_suite,
+                              swapped_capabilities)
 
 MIXED = {"blocks.0": 2, "blocks.1": False, "<root>": True}  # one unit of each kind at world 4
 
@@ -191,17 +191,10 @@ def knobs_suite(rank: int, world: int) -> dict:
     return out
 
 
-@contextlib.contextmanager
 def lazy_like_capabilities():
     """Make the running gloo backend declare what LazyLikeCPU (a lazy-tensor device) declares: no
-    storage resize, synchronous collectives, compiler barriers, 4-element alignment. Saves a
-    spawn: the engine reads only capabilities, so this is the lazy-like backend's code path."""
-    be = shardkit.current_context().backend
-    be.capabilities = LazyLikeCPU.capabilities
-    try:
-        yield be
-    finally:
-        del be.capabilities  # back to the class's
+    storage resize, synchronous collectives, compiler barriers, 4-element alignment."""
+    return swapped_capabilities(LazyLikeCPU.capabilities)
 
 
 def lazy_like_knobs(rank: int, world: int) -> dict:

@@ -161,12 +161,33 @@ def _reshard_int_cases(rank: int) -> list[list[dict]]:
             for value, case in RESHARD_CASES]
 
 
+DIRECT_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
+
+
+def _direct_comm(rank: int, strategy: str) -> list[dict]:
+    """Bytes and calls per step of Wide (1M-element weights: direct buckets on the cpu backend)."""
+    model = shardkit.shard(Wide(), strategy=strategy, auto_wrap_policy=shardkit.wrap.ModuleListItems())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    shardkit.comm_stats(model, reset=True)
+    g = torch.Generator().manual_seed(rank)
+    steps = []
+    for _ in range(2):
+        x, y = torch.randn(2, BIG_WIDTH, generator=g), torch.randint(0, 4, (2,), generator=g)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        steps.append(shardkit.comm_stats(model, reset=True))
+    return steps
+
+
 def suite(rank: int, world: int) -> dict:
     """Every planner measurement at this world size, in one spawn."""
     out: dict = {"comm": [_one_comm_case(rank, c) for c in comm_cases(world)]}
     if world == 2:
         _return_large_frees_to_the_os()
         out["memory"] = [_one_memory_case(rank, c) for c in memory_cases()]
+        # After the memory cases: memory freed before mallopt would be reused and hide growth.
+        out["direct_comm"] = [_direct_comm(rank, s) for s in DIRECT_STRATEGIES]
     if world == 4:
         out["reshard_int"] = _reshard_int_cases(rank)
     return out

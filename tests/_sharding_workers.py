@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import copy
+import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -347,9 +348,78 @@ def clip_run(rank: int, world: int) -> dict:
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
 
+@contextlib.contextmanager
+def swapped_capabilities(caps: Capabilities):
+    """Make the running backend declare `caps` for the models built inside; saves a spawn: the
+    engine reads only capabilities, so this is that backend's code path on gloo."""
+    be = shardkit.current_context().backend
+    be.capabilities = caps
+    try:
+        yield be
+    finally:
+        del be.capabilities  # back to the class's
+
+
+def direct_collectives(numel: int | None):
+    """The running backend with Capabilities.direct_collective_numel forced to `numel`."""
+    caps = shardkit.current_context().backend.capabilities
+    return swapped_capabilities(dataclasses.replace(caps, direct_collective_numel=numel))
+
+
+def direct_buckets(model) -> int:
+    """How many of the model's gather buckets are direct (one param, gathered into its storage)."""
+    from shardkit.sharding import get_state
+
+    return sum(b.direct for u in get_state(model).units for b in u.gather_buckets)
+
+
+def _grads_reduced_in_place(rank: int, world: int) -> int:
+    """How many gradients one FULL_SHARD step reduced as their own collective input (no packing)."""
+    from shardkit.sharding import unit as unit_module
+
+    real, used = unit_module.grad_as_input, []
+
+    def spy(*args, **kwargs):
+        inp = real(*args, **kwargs)
+        used.append(inp is not None)
+        return inp
+
+    unit_module.grad_as_input = spy
+    try:
+        parity_run(rank, "FULL_SHARD", world)
+    finally:
+        unit_module.grad_as_input = real
+    return sum(used) // STEPS
+
+
+def direct_parity(rank: int, world: int) -> dict:
+    """The parity runs with every param in a direct bucket (forced on) and none (forced off)."""
+    out: dict = {}
+    for label, numel in (("on", 1), ("off", None)):
+        with direct_collectives(numel):
+            case = {s: parity_run(rank, s, world) for s in STRATEGIES}
+            if world == 4:
+                case["HYBRID_SHARD"] = parity_run(rank, "HYBRID_SHARD", world,
+                                                  {"hybrid_group_size": 2})
+                case["reshard_2"] = parity_run(rank, "FULL_SHARD", world,
+                                               {"reshard_after_forward": 2})
+            if world == 2:
+                case["no_sync"] = parity_run(rank, "FULL_SHARD", world, micro=2)
+                case["prefetch2"] = parity_run(rank, "FULL_SHARD", world, {"prefetch": 2})
+                case["cpu_offload"] = parity_run(rank, "FULL_SHARD", world, {"cpu_offload": True})
+                case["tied"] = parity_run(rank, "FULL_SHARD", world, tie=True)
+                case["mixed_precision"] = mp_parity_run(rank, world)
+            case["direct_buckets"] = direct_buckets(shardkit.shard(
+                TinyNet(), auto_wrap_policy=shardkit.wrap.transformer_layers({Block})))
+            case["grads_as_inputs"] = _grads_reduced_in_place(rank, world)
+        out[label] = case
+    return out
+
+
 def suite(rank: int, world: int) -> dict:
     """Every multi-rank check that runs at this world size, in one spawn."""
-    out: dict = {"parity": {s: parity_run(rank, s, world) for s in STRATEGIES}}
+    out: dict = {"parity": {s: parity_run(rank, s, world) for s in STRATEGIES},
+                 "direct": direct_parity(rank, world)}
     if world == 2:
         out["features"] = features(rank, world)
         out["fsdp2"] = fsdp2_compare(rank, world)

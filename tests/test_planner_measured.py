@@ -12,8 +12,8 @@ import torch
 
 import shardkit
 
-from _planner_workers import (RESHARD_CASES, Wide, comm_cases, memory_cases, memory_kwargs, shard_kwargs,
-                              spawn_suite, tiny)
+from _planner_workers import (DIRECT_STRATEGIES, RESHARD_CASES, Wide, comm_cases, memory_cases,
+                              memory_kwargs, shard_kwargs, spawn_suite, tiny)
 
 pytestmark = pytest.mark.slow  # multi-process: runs by default, skipped by -m 'not slow'
 
@@ -65,3 +65,27 @@ def test_reshard_after_forward_int_equals_comm_stats():
         for rank, result in enumerate(results):
             for step, stats in enumerate(result["reshard_int"][i]):
                 assert {k: stats[k] for k in KEYS} == planned.comm, (value, case, rank, step)
+
+
+def test_direct_buckets_of_the_backend_are_planned_from_its_capabilities():
+    """Wide's 1024 x 1024 weights reach the cpu backend's direct_collective_numel (1 << 20): each
+    gets its own all-gather and reduce-scatter, and plan(backend="cpu") counts exactly those."""
+    results = spawn_suite(2)
+    for i, strategy in enumerate(DIRECT_STRATEGIES):
+        with torch.device("meta"):
+            model = Wide()
+        kwargs = {"strategy": strategy, "auto_wrap_policy": shardkit.wrap.ModuleListItems()}
+        planned = shardkit.plan(model, world_size=2, backend="cpu", **kwargs)
+        generic = shardkit.plan(model, world_size=2, **kwargs)  # no backend: no direct buckets
+        # Each weight of >= 1M elements: one more call per gather and per reduction.
+        direct = sum(p.numel() >= 1 << 20 for p in model.parameters())
+        assert direct == 5
+        gathers = 2 if strategy == "FULL_SHARD" else 1
+        assert planned.comm["calls"]["all_gather"] == generic.comm["calls"]["all_gather"] + \
+            direct * gathers
+        assert planned.comm["calls"]["reduce_scatter"] == \
+            generic.comm["calls"]["reduce_scatter"] + direct
+        assert planned.comm["total"] == generic.comm["total"]
+        for rank, result in enumerate(results):
+            for step, stats in enumerate(result["direct_comm"][i]):
+                assert {k: stats[k] for k in KEYS} == planned.comm, (strategy, rank, step)

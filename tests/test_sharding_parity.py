@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from _models import TinyNet
 from _sharding_workers import spawn_suite
 
 pytestmark = pytest.mark.slow  # multi-process: runs by default, skipped by -m 'not slow'
@@ -25,6 +26,29 @@ def test_parity_every_strategy_after_every_step(world):
             assert run["init_diff"] == 0.0
             assert len(run["diffs"]) == 5
             assert max(run["diffs"]) <= TOL, (world, rank, strategy, run["diffs"])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_parity_with_direct_collectives_forced_on_and_off(world):
+    """Capabilities.direct_collective_numel=1 (every param gathered into its own storage and
+    reduced from its own grad) and None (every param packed) both train like the reference."""
+    sizes = [p.numel() for p in TinyNet().parameters()]
+    for rank, result in enumerate(spawn_suite(world)):
+        runs = result["direct"]
+        assert runs["off"]["direct_buckets"] == 0
+        assert runs["on"]["direct_buckets"] == len(sizes)
+        # A grad is its own reduce input when its param needs no padding; the others are packed.
+        assert runs["on"]["grads_as_inputs"] == sum(n % world == 0 for n in sizes)
+        assert runs["off"]["grads_as_inputs"] == 0
+        for label, case in runs.items():
+            for name, run in case.items():
+                if name in ("direct_buckets", "grads_as_inputs"):
+                    continue
+                diffs = run if name == "mixed_precision" else run["diffs"]
+                if name != "mixed_precision":
+                    assert run["init_diff"] == 0.0
+                assert len(diffs) == 5
+                assert max(diffs) <= TOL, (world, rank, label, name, diffs)
 
 
 def test_hybrid_shard_groups_and_accumulation():

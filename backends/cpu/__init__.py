@@ -23,8 +23,11 @@ class CPUBackend(Backend):
     # A host job has no first compile to wait for: a silent peer is dead after 30 s.
     # No exact_reduce_ops: gloo's AVG (torch >= 2.8) is itself a SUM then a divide, so it would
     # save no kernel, and older gloo has none.
+    # Host copies run on the compute cores at memory speed, as slow per byte as gloo itself:
+    # params of 1M+ elements skip the copy-out and gradient packing (sharding/buckets.py).
     capabilities = Capabilities(has_streams=False, async_collectives=True,
                                 supports_storage_resize=True, shard_alignment=1,
+                                direct_collective_numel=1 << 20,
                                 default_timeout=datetime.timedelta(seconds=30))
 
     @override

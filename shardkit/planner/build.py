@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from ..errors import ShardkitError
+from ..sharding.buckets import collective_buckets
 from ..sharding.comm_stats import CommStats
 from ..sharding.groups import shard_group_size
 from ..sharding.layout import shard_layout
 from ..sharding.plan import ParamPlan, UnitPlan, plan_units
 from ..sharding.policies import MixedPrecision, ShardConfig, ShardingStrategy
-from ..sharding.unit import dtype_buckets
 from ..sharding.reshard import ReshardSpec, resolve, unit_label
 from ..wrap import WrapPolicy, as_policy
 from .optimizers import state_tensors
@@ -37,15 +37,17 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-def _alignment(shard_alignment: int | None, backend: object) -> int:
+def _backend_facts(shard_alignment: int | None, backend: object) -> tuple[int, int | None]:
+    """The shard alignment and Capabilities.direct_collective_numel of `backend` (or the defaults)."""
     if backend is not None:
         if shard_alignment is not None:
             raise ShardkitError("pass shard_alignment= or backend=, not both (the backend's "
                                 "capabilities decide its alignment)")
         from ..selection import get_backend
 
-        return get_backend(backend).capabilities.shard_alignment  # type: ignore[arg-type]
-    return _positive_int("shard_alignment", 1 if shard_alignment is None else shard_alignment)
+        caps = get_backend(backend).capabilities  # type: ignore[arg-type]
+        return caps.shard_alignment, caps.direct_collective_numel
+    return _positive_int("shard_alignment", 1 if shard_alignment is None else shard_alignment), None
 
 
 class _Layout:
@@ -75,7 +77,9 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
       world_size here (shard() defaults to the local world size).
     - optimizer: "adam", "adamw", "adadelta" or "sgd" (the state tensors kept per parameter).
     - shard_alignment: pad shards to multiples of this many elements, or backend=<name> to take
-      the alignment from that backend's capabilities (it is not started).
+      the alignment from that backend's capabilities (it is not started), and with it which
+      large parameters get collectives of their own (Capabilities.direct_collective_numel;
+      without a backend, none do).
     - reshard_after_forward: None (the strategy's default), True, False, or an int k dividing
       the shard group size: after forward each rank keeps its 1/k slice of the unit, and
       backward all-gathers inside its block of k ranks. A dict {unit name: value} sets it per
@@ -94,7 +98,7 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     # which a plan made off the cluster cannot know; the docstring says world_size is used.
     group = shard_group_size(strat, hybrid_group_size, world, world)
     replicas = world // group
-    align = _alignment(shard_alignment, backend)
+    align, direct = _backend_facts(shard_alignment, backend)
     units = plan_units(model, as_policy(auto_wrap_policy))
     if not any(u.params for u in units):
         raise ShardkitError(f"plan() got a model with no parameters ({type(model).__name__})")
@@ -102,31 +106,35 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     # The engine's own normalisation: the same values, defaults and errors as shard().
     per_unit = dict(zip(names, resolve(reshard_after_forward, units, config, group)))
     rows, split, stats = _rows_and_traffic(units, names, per_unit, group, replicas, align,
-                                           config, n_states)
+                                           direct, config, n_states)
     return _assemble(rows, split, stats, world, strat, group, replicas, align, optimizer, mp,
                      bool(cpu_offload), prefetch)
 
 
 def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[str, bool | int],
-                      group: int, replicas: int, align: int, config: ShardConfig,
-                      n_states: int) -> tuple[list[UnitRow], dict[str, int], CommStats]:
+                      group: int, replicas: int, align: int, direct: int | None,
+                      config: ShardConfig, n_states: int) -> tuple[list[UnitRow], dict[str, int], CommStats]:
     stats = CommStats()
     split = {"params": 0, "grads": 0, "optimizer": 0}
     rows: list[UnitRow] = []
     layouts = [[_Layout(p, group, align, config) for p in u.params] for u in units]
+    def gathers(params: list[_Layout]) -> list:
+        return collective_buckets(params, lambda p: p.compute_dtype, direct)
+
     for params in layouts:  # forward: every unit is gathered once
-        for bucket in dtype_buckets(params, lambda p: p.compute_dtype).values():
-            stats.all_gather(sum(p.shard for p in bucket) * bucket[0].compute_dtype.itemsize, group)
+        for bucket in gathers(params):
+            stats.all_gather(sum(p.shard for p in bucket.params) * bucket.dtype.itemsize, group)
     for name, params in zip(reversed(names), reversed(layouts)):  # backward, root first
         reshard = per_unit[name]
-        for bucket in dtype_buckets(params, lambda p: p.compute_dtype).values():
-            size = bucket[0].compute_dtype.itemsize
+        for bucket in gathers(params):
+            size = bucket.dtype.itemsize
             if reshard is True:
-                stats.all_gather(sum(p.shard for p in bucket) * size, group)
+                stats.all_gather(sum(p.shard for p in bucket.params) * size, group)
             elif reshard is not False:  # kept 1/k slices, gathered back inside k ranks
-                stats.all_gather(sum(p.padded // reshard for p in bucket) * size, reshard)
-        for bucket in dtype_buckets([p for p in params if p.trainable], lambda p: p.reduce_dtype).values():
-            out_bytes = sum(p.shard for p in bucket) * bucket[0].reduce_dtype.itemsize
+                stats.all_gather(sum(p.padded // reshard for p in bucket.params) * size, reshard)
+        trainable = [p for p in params if p.trainable]
+        for bucket in collective_buckets(trainable, lambda p: p.reduce_dtype, direct):
+            out_bytes = sum(p.shard for p in bucket.params) * bucket.dtype.itemsize
             stats.reduce_scatter(out_bytes, group)
             if replicas > 1:
                 stats.all_reduce(out_bytes, replicas)

@@ -44,6 +44,7 @@ class PendingGather:
     output: torch.Tensor
     input: torch.Tensor  # this rank's row of `output`
     event: Any = None  # recorded on the gather stream after the collective was queued
+    into_storage: bool = False  # `output` is a direct bucket's own param storage: no copy-out
 
     def wait(self, backend: Backend, device: torch.device) -> None:
         """Make the compute stream see the gathered data (blocks the host where there are no streams)."""
@@ -59,13 +60,15 @@ def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device:
                      group: Group, backend: Backend, stats: CommStats | None,
                      async_op: bool, stream: Any = None,
                      pool: BufferPool | None = None,
-                     source: torch.Tensor | None = None) -> PendingGather:
+                     source: torch.Tensor | None = None,
+                     into: torch.Tensor | None = None) -> PendingGather:
     """Copy this rank's shards (cast to `dtype`) into one flat input and start the all-gather.
 
     With a separate gather `stream`, copy-in and the collective run there so they overlap with
     compute; the stream first waits for the compute stream (the optimizer may just have written
     the shards). `source`, when given, is this rank's ready-made row instead of the shards (the
-    slice kept by reshard_after_forward=k, gathered over the k-rank `group`).
+    slice kept by reshard_after_forward=k, gathered over the k-rank `group`). `into`, when given,
+    is the output (a direct bucket's padded flat storage) instead of a pooled buffer.
     """
     stream = stream if stream is not None else backend.current_stream(device)
     stream.wait_stream(backend.current_stream(device))
@@ -75,7 +78,7 @@ def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device:
         pool = pool or _NO_POOL
         sizes = row_sizes(params)
         row = sum(sizes) if source is None else source.numel()
-        out = pool.take(group.size * row, dtype, device)
+        out = into if into is not None else pool.take(group.size * row, dtype, device)
         # Copy-in straight into this rank's row of the output (an in-place all-gather): no
         # separate input buffer, one copy fewer.
         inp = out[group.rank * row:(group.rank + 1) * row]
@@ -90,7 +93,7 @@ def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device:
             work = backend.all_gather_into_tensor(out, inp, group, async_op=async_op)
         event = backend.new_event()
         event.record(stream)
-    return PendingGather(work, out, inp, event)
+    return PendingGather(work, out, inp, event, into_storage=into is not None)
 
 
 def copy_in(params: Sequence[ShardedParam], inp: torch.Tensor, sizes: Sequence[int]) -> None:
@@ -155,6 +158,7 @@ class PendingReduce:
     input: torch.Tensor  # kept alive until the collective finished reading it
     plan: "ReducePlan"
     event: Any = None  # recorded on the reduce stream after the collective was queued
+    pooled: bool = True  # `input` came from the buffer pool (not a direct bucket's own grad)
 
 
 def pack_grads(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | None],
@@ -185,9 +189,23 @@ def pack_grads(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | No
     return inp
 
 
+def grad_as_input(p: ShardedParam, grad: torch.Tensor | None, dtype: torch.dtype,
+                  group_size: int, pre_divide: float) -> torch.Tensor | None:
+    """A direct bucket's grad viewed as its own (group_size, shard) reduce input, or None where it
+    cannot be (absent, another dtype, padded, not contiguous): then it is packed like the rest."""
+    if (grad is None or grad.dtype != dtype or p.numel != p.padded_numel
+            or not grad.is_contiguous()):
+        return None
+    inp = grad.view(group_size, p.shard_numel)
+    if pre_divide != 1.0:
+        inp.div_(pre_divide)
+    return inp
+
+
 def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, device: torch.device,
                          group: Group, backend: Backend, stats: CommStats | None,
-                         plan: "ReducePlan", stream: Any = None) -> PendingReduce:
+                         plan: "ReducePlan", stream: Any = None,
+                         pooled: bool = True) -> PendingReduce:
     """Start the reduce-scatter (the plan's op) of a packed input; this rank's row lands in the output."""
     # Packing ran on the compute stream (where the grads were made); the collective runs on the
     # reduce stream so the next unit's backward can proceed.
@@ -204,7 +222,7 @@ def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, devi
                                                  **factor_kwargs(plan.scatter_factor))
         event = backend.new_event()
         event.record(stream)
-    return PendingReduce(list(params), work, out, inp, plan, event)
+    return PendingReduce(list(params), work, out, inp, plan, event, pooled)
 
 
 def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backend,
@@ -224,7 +242,7 @@ def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backen
                            **factor_kwargs(pending.plan.replica_factor)).wait()
     if pending.plan.post_divide != 1.0:
         out.div_(pending.plan.post_divide)
-    if pool is not None:
+    if pool is not None and pending.pooled:
         pool.give(pending.input)
     params = pending.params
     # Cast (and move, with cpu_offload) the whole row once, then hand out views of it.

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from typing_extensions import override
 
 from ..handles import Group
-from .collectives import (PendingGather, PendingReduce, copy_out, finish_reduce, pack_grads,
-                          start_all_gather, start_reduce_scatter)
+from .buckets import Bucket, collective_buckets
+from .collectives import (PendingGather, PendingReduce, copy_out, finish_reduce, grad_as_input,
+                          pack_grads, start_all_gather, start_reduce_scatter)
 from .lifecycle import (SHARDED_MOVES, TRAINING_MOVES, ShardedState, TrainingState,
                         advance)
 from .param import ShardedParam
@@ -19,18 +20,6 @@ from .trace import trace_range
 
 if TYPE_CHECKING:
     from .state import ShardState
-
-
-P = TypeVar("P")
-
-
-def dtype_buckets(params: list[P], key: Callable[[P], torch.dtype]) -> dict[torch.dtype, list[P]]:
-    """Group `params` by `key` in first-seen order: one flat collective per dtype per unit."""
-    # A flat buffer holds a single dtype.
-    out: dict[torch.dtype, list[P]] = {}
-    for p in params:
-        out.setdefault(key(p), []).append(p)
-    return out
 
 
 class ShardUnit:
@@ -47,15 +36,17 @@ class ShardUnit:
         self.module = module
         self.name = name or "<root>"
         self.params = params
-        self.gather_buckets = dtype_buckets(params, lambda p: p.compute_dtype)
+        direct = state.backend.capabilities.direct_collective_numel
+        self.gather_buckets = collective_buckets(params, lambda p: p.compute_dtype, direct)
         trainable = [p for p in params if p.requires_grad]
-        self.reduce_buckets = dtype_buckets(trainable, lambda p: state.config.reduce_dtype(p.master_dtype))
+        self.reduce_buckets = collective_buckets(
+            trainable, lambda p: state.config.reduce_dtype(p.master_dtype), direct)
         # Fixed for the model's life (backend, dtypes, group sizes): decided once, not per step,
         # since a backend may consult its library version to answer.
         self.reduce_plans = {
-            dtype: reduce_plan(state.backend.exact_reduce_ops_for(dtype), dtype,
-                               state.shard_group.size, state.dp_size // state.shard_group.size)
-            for dtype in self.reduce_buckets}
+            b.dtype: reduce_plan(state.backend.exact_reduce_ops_for(b.dtype), b.dtype,
+                                 state.shard_group.size, state.dp_size // state.shard_group.size)
+            for b in self.reduce_buckets}
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.pending: list[tuple[list[ShardedParam], PendingGather]] = []
@@ -63,7 +54,7 @@ class ShardUnit:
         self.reshard_after_forward = (state.config.reshard_after_forward
                                       if reshard_after_forward is None else reshard_after_forward)
         self.reshard_group = reshard_group  # the k-rank group of an int reshard_after_forward
-        self.partial_rows: dict[torch.dtype, torch.Tensor] = {}  # per gather bucket, in PARTIAL
+        self.partial_rows: dict[int, torch.Tensor] = {}  # per gather bucket index, in PARTIAL
         self.gathered_over = state.shard_group.size  # ranks the pending all-gathers span
         # None: the bounded `prefetch=` order; a list: exactly these units (set_*_prefetch).
         self.forward_prefetch: list[ShardUnit] | None = None
@@ -140,12 +131,16 @@ class ShardUnit:
         assert group is not None  # PARTIAL is only entered with a k-rank group
         self.gathered_over = group.size
         with trace_range(self.trace_names["unshard"]):
-            for dtype, params in self.gather_buckets.items():
-                pending = start_all_gather(params, dtype, st.device, group, st.backend,
-                                           st.stats, async_op=async_op,
+            for i, bucket in enumerate(self.gather_buckets):
+                into = None
+                if bucket.direct:
+                    bucket.params[0].alloc_unsharded()
+                    into = bucket.params[0].unsharded_flat
+                pending = start_all_gather(bucket.params, bucket.dtype, st.device, group,
+                                           st.backend, st.stats, async_op=async_op,
                                            stream=st.gather_stream, pool=st.pool,
-                                           source=rows.get(dtype))
-                self.pending.append((params, pending))
+                                           source=rows.get(i), into=into)
+                self.pending.append((bucket.params, pending))
         self._move(ShardedState.GATHERING)
 
     def to_unsharded(self) -> None:
@@ -180,11 +175,11 @@ class ShardUnit:
         group = self.reshard_group
         assert group is not None and self.sharded_state is ShardedState.UNSHARDED
         self._expose(unsharded=False)
-        for dtype, params in self.gather_buckets.items():
+        for i, bucket in enumerate(self.gather_buckets):
             # The slice of a padded flat viewed (k, padded/k) at this rank's block position is
             # exactly its row of the k-rank all-gather backward will issue.
-            self.partial_rows[dtype] = torch.cat(
-                [p.unsharded_flat.view(group.size, -1)[group.rank] for p in params])
+            self.partial_rows[i] = torch.cat(
+                [p.unsharded_flat.view(group.size, -1)[group.rank] for p in bucket.params])
         if self.state.needs_compiler_barrier:
             self.state.backend.compiler_barrier([*self.partial_rows.values(),
                                                  *(p.unsharded for p in self.params)])
@@ -198,9 +193,13 @@ class ShardUnit:
             return
         self._expose(unsharded=False)
         self.partial_rows = {}
-        for _params, pending in self.pending:
+        for params, pending in self.pending:
             pending.wait(self.state.backend, self.state.device)  # buffers must outlive it
-            self.state.pool.give(pending.output)
+            if pending.into_storage:
+                for p in params:
+                    p.free_unsharded()
+            else:
+                self.state.pool.give(pending.output)
         self.pending = []
         if self.is_unsharded:
             if self.state.needs_compiler_barrier:
@@ -220,6 +219,8 @@ class ShardUnit:
         with trace_range(self.trace_names["wait_unshard"]):
             for params, pending in self.pending:
                 pending.wait(st.backend, st.device)
+                if pending.into_storage:
+                    continue  # gathered straight into the param's own storage
                 for p in params:
                     p.alloc_unsharded()
                 copy_out(params, pending.output, [p.unsharded_flat for p in params],
@@ -232,21 +233,25 @@ class ShardUnit:
     # ---- gradients -------------------------------------------------------------------------
     def reduce_grads(self) -> list[PendingReduce]:
         """Start the reduce-scatter of every trainable param's unsharded grad; return the handles."""
-        st = self.state
-        started = []
         with trace_range(self.trace_names["reduce"]):
-            for dtype, params in self.reduce_buckets.items():
-                plan = self.reduce_plans[dtype]  # exact AVG / PREMUL_SUM, else SUM + divide
-                grads = [p.take_unsharded_grad() for p in params]
-                inp = pack_grads(params, grads, dtype, st.device, st.shard_group.size,
-                                 plan.pre_divide, st.pool)
-                # The full-size grads are dead once packed: free them before the collective
-                # runs (it may allocate its own temporaries).
-                del grads
-                started.append(start_reduce_scatter(params, inp, st.device, st.shard_group,
-                                                     st.backend, st.stats, plan,
-                                                     stream=st.reduce_stream))
-        return started
+            return [self._reduce_bucket(bucket) for bucket in self.reduce_buckets]
+
+    def _reduce_bucket(self, bucket: Bucket[ShardedParam]) -> PendingReduce:
+        st = self.state
+        params, dtype, group_size = bucket.params, bucket.dtype, st.shard_group.size
+        plan = self.reduce_plans[dtype]  # exact AVG / PREMUL_SUM, else SUM + divide
+        grads = [p.take_unsharded_grad() for p in params]
+        inp = (grad_as_input(params[0], grads[0], dtype, group_size, plan.pre_divide)
+               if bucket.direct else None)
+        pooled = inp is None
+        if inp is None:
+            inp = pack_grads(params, grads, dtype, st.device, group_size, plan.pre_divide,
+                             st.pool)
+        # The full-size grads are dead once packed: free them before the collective runs (it
+        # may allocate its own temporaries).
+        del grads
+        return start_reduce_scatter(params, inp, st.device, st.shard_group, st.backend,
+                                    st.stats, plan, stream=st.reduce_stream, pooled=pooled)
 
     def finish(self, pending: PendingReduce) -> None:
         """Complete one of this unit's reductions into the sharded grads."""
