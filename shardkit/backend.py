@@ -294,7 +294,12 @@ class Backend:
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                               op: str = ReduceOp.SUM, async_op: bool = False, *,
                               factor: float | None = None) -> Work:
-        """Reduce `input` across ranks and leave this rank's equal slice in `output` ("premul_sum": each input scaled by `factor` first)."""
+        """Reduce `input` across ranks and leave this rank's equal slice in `output` ("premul_sum": each input scaled by `factor` first).
+
+        `input` is consumed: the engine passes scratch (a packed buffer or a dead gradient) and
+        never reads it afterwards, so a backend may reduce in place; its contents afterwards are
+        unspecified.
+        """
         import torch.distributed as dist
 
         torch_op = self.torch_reduce_op(op, factor)

@@ -109,8 +109,8 @@ class CPUBackend(Backend):
 
     # gloo's flat all-gather and reduce-scatter stage every byte through an extra full-size
     # buffer and run 2-3x slower than the same bytes moved by its broadcast and all-reduce
-    # (2 ranks, 83M fp32: all-gather 508 ms vs 151 ms as broadcasts, reduce-scatter 595 ms vs
-    # 264 ms as an in-place all-reduce; benchmarks/README.md). Both are rebuilt from those, through
+    # (benchmarks/bench_gloo.py, 2 ranks, 83M fp32: all-gather 534 ms vs 118 ms as broadcasts,
+    # reduce-scatter 603 ms vs 284 ms as an in-place all-reduce). Both are rebuilt from those, through
     # Backend's own methods so that a subclass overriding one collective changes only that one.
     @override
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -133,11 +133,11 @@ class CPUBackend(Backend):
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                               op: str = ReduceOp.SUM, async_op: bool = False, *,
                               factor: float | None = None) -> Work:
-        """Reduce `input` across ranks into this rank's slice: an all-reduce of a copy, then the slice."""
+        """Reduce `input` across ranks into this rank's slice: an in-place all-reduce, then the slice."""
         check_flat_sizes("reduce_scatter_tensor", "input", input, "output", output, group)
         if group.size == 1:
             return super().reduce_scatter_tensor(output, input, group, op, async_op, factor=factor)
-        summed = input.reshape(-1).clone()  # callers keep `input` as it was
+        summed = input.reshape(-1)  # `input` is consumed (Backend's contract): no copy of it
         mine = summed.view(group.size, -1)[group.rank]
         work = ComposedWork([Backend.all_reduce(self, summed, group, op, async_op=True,
                                                  factor=factor)],

@@ -197,8 +197,7 @@ def check_reduce_scatter_sum(c: Checker) -> None:
             total = total_of(values(r, c.size * n, offset=1) for r in range(c.size))
             c.expect_equal(out, total[c.rank * n:(c.rank + 1) * n],
                            f"reduce_scatter sum {dtype} n={n}")
-            c.expect_equal(inp, values(c.rank, c.size * n, offset=1),
-                           f"reduce_scatter changed its input ({dtype} n={n})")
+            # `input` is consumed (Backend.reduce_scatter_tensor): a backend may reduce in place.
 
 
 @_check
