@@ -417,6 +417,12 @@ def direct_parity(rank: int, world: int) -> dict:
         out["on"] = case
         out["on_direct_buckets"] = _tiny_direct_buckets()
         out["on_grads_as_inputs"] = _grads_reduced_in_place(rank, world)
+    if world == 2:  # no storage to resize (XLA-like): each gather lands in a fresh flat buffer
+        lazy = dataclasses.replace(LazyLikeCPU.capabilities, direct_collective_numel=1)
+        with swapped_capabilities(lazy):
+            out["on"]["lazy_like"] = parity_run(rank, "FULL_SHARD", world)
+            out["on"]["lazy_like_reshard_2"] = parity_run(rank, "FULL_SHARD", world,
+                                                          {"reshard_after_forward": 2})
     return out
 
 

@@ -31,8 +31,9 @@ def test_parity_every_strategy_after_every_step(world):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_parity_with_direct_collectives_forced_on_and_off(world):
     """Capabilities.direct_collective_numel=1 (every param gathered into its own storage and
-    reduced from its own grad) trains like the reference; forced off (None) buckets exactly as
-    the plain parity runs above do, on the cpu backend's default (no TinyNet param reaches it)."""
+    reduced from its own grad) trains like the reference, also without storage resize (2 ranks);
+    forced off (None) buckets exactly as the plain parity runs above do, on the cpu backend's
+    default (no TinyNet param reaches it)."""
     sizes = [p.numel() for p in TinyNet().parameters()]
     for rank, result in enumerate(spawn_suite(world)):
         runs = result["direct"]
