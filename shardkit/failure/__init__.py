@@ -116,7 +116,9 @@ def _looks_like_a_collective_failure(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(s in text for s in (
         "Connection closed", "Connection reset", "Connection refused", "Broken pipe",
-        "Timed out", "timed out", "Socket Timeout", "gloo", "Gloo"))
+        "Timed out", "timed out", "Socket Timeout", "gloo", "Gloo",
+        # gloo's words when a broadcast or all-reduce waits past the timeout on its peer
+        "Application timeout caused pair closure"))
 
 
 def on_exception(exc: BaseException) -> BaseException:
