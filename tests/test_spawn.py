@@ -15,9 +15,10 @@ MARK = "SHARDKIT_TEST_SPAWN_MARK"
 
 def report(rank: int, say: bool = True) -> dict:
     """What a rank sees: the marker variable, its thread count, and its process group size."""
-    if say:
-        print(f"rank {rank} to stdout", flush=True)
-        print(f"rank {rank} to stderr", file=sys.stderr, flush=True)
+    if say:  # one write per line: print() writes the newline separately, so ranks could interleave
+        for stream, name in ((sys.stdout, "stdout"), (sys.stderr, "stderr")):
+            stream.write(f"rank {rank} to {name}\n")
+            stream.flush()
     return {"rank": rank, "mark": os.environ.get(MARK), "threads": torch.get_num_threads(),
             "world": shardkit.current_context().world_size, "pid": os.getpid()}
 
