@@ -9,7 +9,7 @@ import torch
 from typing_extensions import override
 
 from shardkit import Backend, Capabilities, Group, ReduceOp, Work, hookimpl
-from shardkit.backend import check_flat_sizes, copy_locally, process_memory
+from shardkit.backend import check_flat_sizes, process_memory
 from shardkit.handles import ComposedWork
 
 
@@ -116,38 +116,35 @@ class CPUBackend(Backend):
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                                async_op: bool = False) -> Work:
         """Concatenate every rank's `input` into `output`: each rank broadcasts its block in place."""
-        check_flat_sizes("all_gather_into_tensor", "output", output, "input", input, group)
-        if group.size == 1:
-            return copy_locally(output, input)
-        if not output.is_contiguous():
+        if group.size == 1 or not output.is_contiguous():  # a local copy, or gloo's own
             return super().all_gather_into_tensor(output, input, group, async_op)
+        check_flat_sizes("all_gather_into_tensor", "output", output, "input", input, group)
         blocks = output.view(group.size, -1)
         own = blocks[group.rank]
         if input.data_ptr() != own.data_ptr() or not input.is_contiguous():
             own.copy_(input.reshape(-1))  # the engine gathers in place: this copy is skipped
         work = ComposedWork([Backend.broadcast(self, blocks[i], i, group, async_op=True)
                              for i in range(group.size)])
-        return work if async_op else _waited(work)
+        if not async_op:
+            work.wait()
+        return work
 
     @override
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                               op: str = ReduceOp.SUM, async_op: bool = False, *,
                               factor: float | None = None) -> Work:
         """Reduce `input` across ranks into this rank's slice: an in-place all-reduce, then the slice."""
-        check_flat_sizes("reduce_scatter_tensor", "input", input, "output", output, group)
         if group.size == 1:
             return super().reduce_scatter_tensor(output, input, group, op, async_op, factor=factor)
+        check_flat_sizes("reduce_scatter_tensor", "input", input, "output", output, group)
         summed = input.reshape(-1)  # `input` is consumed (Backend's contract): no copy of it
         mine = summed.view(group.size, -1)[group.rank]
         work = ComposedWork([Backend.all_reduce(self, summed, group, op, async_op=True,
                                                  factor=factor)],
                             finish=lambda: output.copy_(mine.view(output.shape)))
-        return work if async_op else _waited(work)
-
-
-def _waited(work: ComposedWork) -> ComposedWork:
-    work.wait()
-    return work
+        if not async_op:
+            work.wait()
+        return work
 
 
 @hookimpl
