@@ -18,6 +18,7 @@ from . import checkpoint, wrap
 from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, comm_stats, shard)
 from .planner import Plan, plan
 from .sharding import register_forward_method
+from .sharding import full_shape, full_tensor, local_shard
 
 __all__ = [
     "API_VERSION", "Backend", "BackendNotFoundError", "BackendUnavailableError", "Capabilities",
@@ -29,6 +30,6 @@ __all__ = [
     "MixedPrecision", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "shard", "wrap",
     "checkpoint", "Plan", "plan",
 ]
-__all__ += ["register_forward_method"]
+__all__ += ["register_forward_method", "full_shape", "full_tensor", "local_shard"]
 
 _configure_logging()  # SHARDKIT_LOG=debug|info prints the "shardkit" logger to stderr

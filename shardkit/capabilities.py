@@ -23,7 +23,8 @@ class Capabilities:
     async_collectives: bool = True
     # A tensor's storage can be resized to 0 and back (FSDP2-style free); XLA tensors have none.
     supports_storage_resize: bool = True
-    # Flat shards are padded to a multiple of world_size * shard_alignment elements.
+    # Shards are padded (in whole rows) towards a multiple of shard_alignment elements per rank
+    # where that costs less than shard_alignment elements (sharding/layout.py).
     shard_alignment: int = 1
     # Parameters of at least this many elements get collectives of their own, gathered straight
     # into their storage and reduced straight from their gradient (sharding/buckets.py): worth one

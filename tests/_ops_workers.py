@@ -21,7 +21,7 @@ from shardkit_backends.cpu import CPUBackend
 
 from _models import Block, TinyNet, batch, global_batch
 from _sharding_workers import (bytes_one_step, full_params, max_diff, mp_reference_grads,
-                               parity_run)
+                               parity_run, shards_exposed)
 
 STEPS = 3
 
@@ -230,6 +230,15 @@ def forward_method_run(rank: int, world: int) -> dict:
         out["unregistered"] = None
     except Exception as exc:  # noqa: BLE001 - what a user sees is the result
         out["unregistered"] = f"{type(exc).__name__}: {exc}"
+    # A layer called directly: with row shards a Linear would return a slice of its features.
+    h = torch.randn(3, 14)
+    try:
+        model.head(h)
+        out["direct_layer"] = None
+    except shardkit.ShardkitError as exc:
+        out["direct_layer"] = str(exc)
+    with torch.no_grad(), model.unshard():
+        out["direct_in_unshard_diff"] = (model.head(h) - ref.head(h)).abs().max().item()
     shardkit.register_forward_method(model, "encode")
     for block in model.blocks:
         shardkit.register_forward_method(block, "mlp")
@@ -261,7 +270,7 @@ def forward_method_run(rank: int, world: int) -> dict:
     with torch.no_grad():
         x = batch(9, rank)[0]
         out["eval_diff"] = (model.encode(x) - ref.encode(x)).abs().max().item()
-        out["sharded_after"] = all(p.dim() == 1 for p in model.parameters())
+        out["sharded_after"] = shards_exposed(model)
     return out
 
 
@@ -286,7 +295,7 @@ def generate_run(rank: int, world: int) -> dict | str:
     shardkit.register_forward_method(model, "generate")
     got = model.generate(ids, **kwargs)
     return {"want": want.tolist(), "plain": got_plain.tolist(), "registered": got.tolist(),
-            "sharded_after": all(p.dim() == 1 for p in model.parameters())}
+            "sharded_after": shards_exposed(model)}
 
 
 def ops_suite(rank: int, world: int) -> dict:

@@ -28,6 +28,12 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def shards_exposed(model: torch.nn.Module) -> bool:
+    """True when every parameter the model exposes is its sharded (optimizer) parameter object."""
+    shards = {id(sp.sharded) for sp in shardkit.sharding.get_state(model).iter_params()}
+    return all(id(p) in shards for p in model.parameters())
+
+
 def max_diff(full: dict[str, torch.Tensor], ref: torch.nn.Module) -> float:
     """Largest absolute difference between gathered params and a reference model's params."""
     return max((full[k].float() - p.detach().float()).abs().max().item()
@@ -137,13 +143,15 @@ def api_checks(rank: int, world: int) -> dict:
     model = shardkit.shard(copy.deepcopy(ref), auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
     out: dict = {"names_same": [n for n, _ in model.named_parameters()] == names,
                  "keys_same": list(model.state_dict()) == keys,
-                 "all_1d": all(p.dim() == 1 for p in model.parameters()),
+                 "dims_kept": [(p.dim(), p.shape[1:]) for p in model.parameters()] ==
+                              [(p.dim(), p.shape[1:]) for p in ref.parameters()],
                  "info": sharding_info(model), "views": []}
     for v in shard_views(model):
         full = dict(ref.named_parameters())[v.fqn].detach().reshape(-1)
-        mine = v.param.detach()
+        mine = v.param.detach().reshape(-1)  # the contract: flat offsets into the full tensor
         out["views"].append({
-            "fqn": v.fqn, "numel": full.numel(), "shard_numel": v.shard_numel, "offset": v.offset,
+            "fqn": v.fqn, "numel": full.numel(), "shape": tuple(v.full_shape),
+            "local_shape": tuple(v.param.shape), "shard_numel": v.shard_numel, "offset": v.offset,
             "valid": v.valid_numel, "shape_ok": v.full_shape == dict(ref.named_parameters())[v.fqn].shape,
             "slice_ok": torch.equal(mine[:v.valid_numel], full[v.offset:v.offset + v.valid_numel]),
             "pad_zero": bool((mine[v.valid_numel:] == 0).all()),
@@ -239,7 +247,7 @@ def unshard_checks(rank: int, world: int) -> dict:
     return {"shapes_full": shapes_full, "out_diff": (y - ref(x)).abs().max().item(),
             "repeat_equal": torch.equal(y, y2), "gather_calls": calls,
             "units": len(model._shardkit_state.units),
-            "sharded_after": all(p.dim() == 1 for p in model.parameters())}
+            "sharded_after": shards_exposed(model)}
 
 
 def features(rank: int, world: int) -> dict:
@@ -300,9 +308,17 @@ def fsdp2_compare(rank: int, world: int) -> dict:
             out["fsdp2_grad_ratio"] = (full_t["embed.weight"].norm() / g.norm()).item()
         factor = round(out["fsdp2_grad_ratio"])
         out["grad_diffs"].append(max(
-            (v.param.grad[:v.valid_numel]
+            (v.param.grad.reshape(-1)[:v.valid_numel]
              - full_t[v.fqn].reshape(-1)[v.offset:v.offset + v.valid_numel] / factor).abs().max().item()
             for v in shard_views(ours)))
+        # Both shard along dim 0: this rank's rows are FSDP2's local tensor (plus padding rows).
+        local_t = {n: p.grad.to_local() for n, p in theirs.named_parameters()}
+        out.setdefault("local_rows_diffs", []).append(max(
+            (p.grad[:local_t[n].shape[0]] - local_t[n] / factor).abs().max().item()
+            if local_t[n].numel() else 0.0 for n, p in ours.named_parameters()))
+        out["local_dims_as_fsdp2"] = all(
+            p.shape[1:] == local_t[n].shape[1:] and p.shape[0] >= local_t[n].shape[0]
+            for n, p in ours.named_parameters())
         opt_t.step()
         opt_t.zero_grad()
         opt_o.step()
@@ -498,6 +514,6 @@ def lazy_like_suite(rank: int, world: int) -> dict:
            "meta": parity_run(rank, "FULL_SHARD", world, meta=True),
            "unshard": unshard_checks(rank, world)}
     model = shardkit.shard(TinyNet())
-    out["aligned"] = all(v.shard_numel % 4 == 0 for v in shard_views(model))
+    out["shard_sizes"] = [(tuple(v.full_shape), v.shard_numel) for v in shard_views(model)]
     out["barriers"] = type(be).barriers
     return out

@@ -6,6 +6,7 @@ The multi-process checks against measurement are in test_planner_measured.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -50,41 +51,60 @@ def comm(plan) -> tuple:
 @pytest.mark.parametrize("numel, group, align, expected", [
     (10, 4, 1, (12, 3)), (12, 4, 1, (12, 3)), (0, 3, 1, (3, 1)), (1, 1, 1, (1, 1)),
     (8, 2, 128, (256, 128)), (256, 2, 128, (256, 128)), (257, 2, 128, (512, 256))])
-def test_shard_layout_pads_to_group_times_alignment(numel, group, align, expected):
-    assert shard_layout(numel, group, align) == expected
+def test_one_dim_layout_is_the_flat_layout(numel, group, align, expected):
+    layout = shard_layout(numel, group, align)
+    assert (layout.padded_numel, layout.shard_numel) == expected
+    assert layout.shard_shape == (layout.shard_numel,)
+
+
+@pytest.mark.parametrize("shape, group, align, shard_shape, padded", [
+    ((32, 16), 3, 1, (11, 16), 3 * 176),      # whole rows: 11 of them, not 171 elements
+    ((32, 16), 2, 1, (16, 16), 512),          # divides: no padding
+    ((4, 3, 2), 8, 1, (1, 3, 2), 48),         # fewer rows than ranks: one padding row each
+    ((0, 5), 2, 1, (1, 5), 10),               # empty: still one row per rank
+    ((), 4, 128, (), 4),                      # 0-d stays 0-d, one element per rank, no alignment
+    ((10, 64), 2, 128, (6, 64), 768),         # 5 rows -> 6: 64 extra elements < 128 aligns
+    ((10, 3), 2, 128, (5, 3), 30),            # aligning would add 369 elements: left unaligned
+    ((768, 3072), 8, 128, (96, 3072), 768 * 3072)])
+def test_row_layout_keeps_dimensions_and_pads_whole_rows(shape, group, align, shard_shape, padded):
+    layout = shard_layout(shape, group, align)
+    assert layout.shard_shape == shard_shape
+    assert layout.padded_numel == padded == group * layout.shard_numel
+    assert layout.shard_numel == math.prod(shard_shape)
 
 
 def test_full_shard_bytes_and_memory_by_hand():
     p = shardkit.plan(linear(), world_size=2)
-    # weight 15 -> padded 16, shard 8; bias 5 -> padded 6, shard 3: 11 fp32 elements per rank
+    # weight (5, 3): 3 whole rows per rank -> shard (3, 3) = 9, padded 18; bias 5 -> 3 per
+    # rank, padded 6: 12 fp32 elements per rank
     assert [(u.name, u.params, u.padded_numel, u.shard_numel) for u in p.units] == \
-        [("<root>", 20, 22, 11)]
-    assert p.persistent == {"params": 44, "grads": 44, "optimizer": 88, "total": 176}
-    assert (p.persistent_device, p.persistent_host) == (176, 0)
+        [("<root>", 20, 24, 12)]
+    assert p.persistent == {"params": 48, "grads": 48, "optimizer": 96, "total": 192}
+    assert (p.persistent_device, p.persistent_host) == (192, 0)
     # gathered twice (forward, backward) and reduce-scattered once, (2-1) shards each
-    assert comm(p) == (88, 44, 0, {"all_gather": 2, "reduce_scatter": 1})
-    assert p.comm["total"] == 132
-    assert p.units[0].unsharded_bytes == 22 * 4 and p.units[0].grad_bytes == 20 * 4
+    assert comm(p) == (96, 48, 0, {"all_gather": 2, "reduce_scatter": 1})
+    assert p.comm["total"] == 144
+    assert p.units[0].unsharded_bytes == 24 * 4 and p.units[0].grad_bytes == 20 * 4
 
 
 def test_mixed_precision_gathers_in_param_dtype_and_reduces_in_reduce_dtype():
     p = shardkit.plan(linear(), world_size=2, mixed_precision=BF16)
-    assert comm(p) == (2 * 11 * 2, 11 * 4, 0, {"all_gather": 2, "reduce_scatter": 1})
-    assert p.units[0].unsharded_bytes == 22 * 2
-    assert p.persistent["total"] == 176  # the shards stay fp32 masters
+    assert comm(p) == (2 * 12 * 2, 12 * 4, 0, {"all_gather": 2, "reduce_scatter": 1})
+    assert p.units[0].unsharded_bytes == 24 * 2
+    assert p.persistent["total"] == 192  # the shards stay fp32 masters
 
 
 def test_each_strategy_by_hand():
     sgo = shardkit.plan(linear(), world_size=2, strategy="SHARD_GRAD_OP")
-    assert comm(sgo) == (44, 44, 0, {"all_gather": 1, "reduce_scatter": 1})
+    assert comm(sgo) == (48, 48, 0, {"all_gather": 1, "reduce_scatter": 1})
     # NO_SHARD: shard group of one (nothing sent), the whole 20-element grad all-reduced by 4
     ns = shardkit.plan(linear(), world_size=4, strategy="NO_SHARD")
     assert comm(ns) == (0, 0, 120, {"all_reduce": 1})  # 2 * 3/4 * 80 bytes
     assert ns.persistent["total"] == 20 * 4 * 4
-    # HYBRID 4 = 2 x 2: shard in pairs (11 elements each), all-reduce the shard across pairs
+    # HYBRID 4 = 2 x 2: shard in pairs (12 elements each), all-reduce the shard across pairs
     hy = shardkit.plan(linear(), world_size=4, strategy="HYBRID_SHARD", hybrid_group_size=2)
     assert (hy.shard_group_size, hy.replica_group_size) == (2, 2)
-    assert comm(hy) == (88, 44, 44, {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1})
+    assert comm(hy) == (96, 48, 48, {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1})
     # one rank: nothing is sent and nothing counted
     one = shardkit.plan(linear(), world_size=1)
     assert comm(one) == (0, 0, 0, {}) and one.persistent["total"] == 20 * 16
@@ -94,18 +114,19 @@ def test_frozen_params_are_gathered_but_not_reduced():
     model = linear()
     model[0].bias.requires_grad_(False)
     p = shardkit.plan(model, world_size=2)
-    assert comm(p) == (88, 8 * 4, 0, {"all_gather": 2, "reduce_scatter": 1})
-    assert p.persistent == {"params": 44, "grads": 32, "optimizer": 64, "total": 140}
+    assert comm(p) == (96, 9 * 4, 0, {"all_gather": 2, "reduce_scatter": 1})
+    assert p.persistent == {"params": 48, "grads": 36, "optimizer": 72, "total": 156}
     assert p.trainable_count == 15
 
 
 def test_reshard_after_forward_int_gathers_backward_inside_k_ranks():
-    # 4 ranks: weight 15 -> 16 (shard 4), bias 5 -> 8 (shard 2): 6 fp32 per rank
+    # 4 ranks: weight (5, 3) -> 2 rows per rank (shard 6, padded 24), bias 5 -> 8 (shard 2):
+    # 8 fp32 per rank
     p = shardkit.plan(linear(), world_size=4, reshard_after_forward=2)
     assert p.units[0].reshard_after_forward == 2
-    forward = 3 * 6 * 4
-    backward = (2 - 1) * (16 // 2 + 8 // 2) * 4  # (k-1) x the 1/k slices each rank keeps
-    assert comm(p) == (forward + backward, 3 * 6 * 4, 0, {"all_gather": 2, "reduce_scatter": 1})
+    forward = 3 * 8 * 4
+    backward = (2 - 1) * (24 // 2 + 8 // 2) * 4  # (k-1) x the 1/k slices each rank keeps
+    assert comm(p) == (forward + backward, 3 * 8 * 4, 0, {"all_gather": 2, "reduce_scatter": 1})
     # k == group is True, k == 1 is False
     assert shardkit.plan(linear(), world_size=4, reshard_after_forward=4).comm == \
         shardkit.plan(linear(), world_size=4).comm
@@ -118,24 +139,25 @@ def test_reshard_after_forward_int_gathers_backward_inside_k_ranks():
 
 def test_alignment_from_argument_or_backend():
     p = shardkit.plan(linear(), world_size=2, shard_alignment=4)
-    assert p.units[0].padded_numel == 16 + 8 and p.units[0].shard_numel == 12
+    # weight: 3 rows of 3 -> 4 rows (12 elements); bias: 3 -> 4 elements
+    assert p.units[0].padded_numel == 24 + 8 and p.units[0].shard_numel == 16
     assert shardkit.plan(linear(), world_size=2, backend="cpu").shard_alignment == \
         shardkit.get_backend("cpu").capabilities.shard_alignment
 
 
 def test_peak_estimate_by_hand():
-    # units "0" (padded 22 -> 88 B gathered, 80 B grads) and "1" (12 -> 48 B, 48 B); empty root
+    # units "0" (padded 24 -> 96 B gathered, 80 B grads) and "1" (12 -> 48 B, 48 B); empty root
     base = dict(world_size=2, auto_wrap_policy=per_linear())
     p = shardkit.plan(two_linears(), **base)
     assert [u.name for u in p.units] == ["0", "1", "<root>"]
-    assert p.persistent["total"] == (11 + 6) * 4 * 4 == 272
-    assert (p.largest_unit, p.largest_unit_bytes) == ("0", 88)
-    assert p.peak_bytes == 272 + (88 + 80) + (48 + 48)  # the unit computing + one prefetched
-    assert shardkit.plan(two_linears(), prefetch=0, **base).peak_bytes == 272 + 88 + 80
+    assert p.persistent["total"] == (12 + 6) * 4 * 4 == 288
+    assert (p.largest_unit, p.largest_unit_bytes) == ("0", 96)
+    assert p.peak_bytes == 288 + (96 + 80) + (48 + 48)  # the unit computing + one prefetched
+    assert shardkit.plan(two_linears(), prefetch=0, **base).peak_bytes == 288 + 96 + 80
     sgo = shardkit.plan(two_linears(), prefetch=0, strategy="SHARD_GRAD_OP", **base)
-    assert sgo.peak_bytes == 272 + 88 + 80 + 48  # unit 1 stays gathered until its backward
+    assert sgo.peak_bytes == 288 + 96 + 80 + 48  # unit 1 stays gathered until its backward
     off = shardkit.plan(two_linears(), prefetch=0, cpu_offload=True, **base)
-    assert (off.persistent_device, off.persistent_host, off.peak_bytes) == (0, 272, 88 + 80)
+    assert (off.persistent_device, off.persistent_host, off.peak_bytes) == (0, 288, 96 + 80)
 
 
 def test_meta_and_real_models_plan_the_same_and_tied_weights_count_once():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -15,13 +17,14 @@ TINYNET_PARAMS = 30
 def test_names_views_and_load_full_param_on_three_ranks():
     results = [r["api"] for r in spawn_suite(3)]
     for rank, r in enumerate(results):
-        assert r["names_same"] and r["keys_same"] and r["all_1d"]
+        assert r["names_same"] and r["keys_same"] and r["dims_kept"]
         assert r["info"] == {"world_size": 3, "strategy": "FULL_SHARD", "shard_group_size": 3,
                              "replica_group_size": 1}
         assert len(r["views"]) == TINYNET_PARAMS  # every parameter, state_dict order
         for v in r["views"]:
-            padded = -(-v["numel"] // 3) * 3
-            assert v["shard_numel"] == padded // 3
+            rows, rest = v["shape"][0], v["shape"][1:]  # whole dim-0 rows per rank, dims kept
+            assert v["local_shape"] == (-(-rows // 3), *rest)
+            assert v["shard_numel"] == math.prod(v["local_shape"])
             assert v["offset"] == rank * v["shard_numel"]
             assert v["valid"] == max(0, min(v["shard_numel"], v["numel"] - v["offset"]))
             assert v["shape_ok"] and v["slice_ok"] and v["pad_zero"] and v["is_param"]

@@ -66,3 +66,5 @@ def test_same_training_as_torch_fsdp2():
         assert abs(f["fsdp2_grad_ratio"] - round(f["fsdp2_grad_ratio"])) < 1e-5
         assert max(f["grad_diffs"]) <= 1e-6
         assert max(f["param_diffs"]) <= 1e-5
+        # The same local tensors as FSDP2's (dim-0 rows, trailing dims kept), not just the same sums.
+        assert f["local_dims_as_fsdp2"] and max(f["local_rows_diffs"]) <= 1e-6

@@ -74,17 +74,35 @@ def _params(group_size: int, rank: int = 0) -> list[ShardedParam]:
     return out
 
 
+def _padded_rows(shape: tuple[int, ...], group_size: int) -> int:
+    """Dim-0 rows after padding to a multiple of group_size (whole rows, as FSDP2's dim-0 chunks)."""
+    return math.ceil(shape[0] / group_size) * group_size
+
+
 def _rows_reference(fulls: list[torch.Tensor | None], group_size: int) -> torch.Tensor:
-    """Each tensor zero-padded to a multiple of group_size, split in rows, the params side by side."""
+    """Each tensor zero-padded with whole dim-0 rows to a multiple of group_size, split per rank
+    into equal row blocks, flattened, the params side by side."""
     blocks = []
     for t, shape in zip(fulls, ODD_SHAPES):
-        numel = math.prod(shape)
-        padded = math.ceil(numel / group_size) * group_size
-        flat = torch.zeros(padded)
+        padded = torch.zeros((_padded_rows(shape, group_size), *shape[1:]))
         if t is not None:
-            flat[:numel] = t.reshape(-1)
-        blocks.append(flat.view(group_size, padded // group_size))
+            padded[:shape[0]] = t
+        blocks.append(padded.reshape(group_size, -1))
     return torch.cat(blocks, dim=1)
+
+
+@pytest.mark.parametrize("group_size", [1, 3, 4, 7])
+def test_each_rank_holds_whole_rows_with_the_parameters_dimensions(group_size: int) -> None:
+    """Rank r's shard is rows [r*k, (r+1)*k) of the parameter (zero rows past its end), same ndim."""
+    for rank in range(group_size):
+        for p, shape in zip(_params(group_size, rank), ODD_SHAPES):
+            k = _padded_rows(shape, group_size) // group_size
+            full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+            want = torch.zeros((k, *shape[1:]))
+            real = full[rank * k:(rank + 1) * k]
+            want[:real.shape[0]] = real
+            assert p.sharded.shape == want.shape and p.sharded.dim() == len(shape)
+            assert torch.equal(p.sharded.detach(), want)
 
 
 @pytest.mark.parametrize("group_size", [1, 3, 4, 7])
@@ -111,7 +129,7 @@ def test_copy_out_restores_the_full_tensors_from_gathered_rows(group_size: int) 
     targets = [torch.full((p.padded_numel,), float("nan")) for p in params]
     copy_out(params, _rows_reference(list(fulls), group_size).reshape(-1), targets, group_size)
     for p, got, want in zip(params, targets, fulls):
-        assert p.padded_numel == math.ceil(want.numel() / group_size) * group_size
+        assert p.padded_numel == _padded_rows(want.shape, group_size) * want[0].numel()
         assert torch.equal(got[:want.numel()].view(want.shape), want)
 
 

@@ -83,8 +83,11 @@ def test_cast_forward_inputs_false_leaves_inputs_alone(results):
 def test_registered_methods_gather_and_train_like_the_reference(results):
     for r in results:
         run = r["forward_method"]
-        # Unregistered, encode() meets the 1-D shards: torch's own error, not a silent result.
-        assert run["unregistered"] and run["unregistered"].startswith("RuntimeError")
+        # Unregistered, encode() calls layers holding row shards: refused, not a silent slice.
+        assert run["unregistered"] and run["unregistered"].startswith("ShardkitError")
+        assert "register_forward_method" in run["unregistered"]
+        assert "'head.weight'" in run["direct_layer"] and "(5, 14)" in run["direct_layer"]
+        assert run["direct_in_unshard_diff"] <= TOL
         assert max(run["diffs"]) <= TOL and run["eval_diff"] <= TOL
         assert run["sharded_after"]
         assert "is not a sharding unit" in run["errors"]["not_a_unit"]

@@ -34,13 +34,13 @@ def test_parity_with_direct_collectives_forced_on_and_off(world):
     reduced from its own grad) trains like the reference, also without storage resize (2 ranks);
     forced off (None) buckets exactly as the plain parity runs above do, on the cpu backend's
     default (no TinyNet param reaches it)."""
-    sizes = [p.numel() for p in TinyNet().parameters()]
+    shapes = [p.shape for p in TinyNet().parameters()]
     for rank, result in enumerate(spawn_suite(world)):
         runs = result["direct"]
         assert runs["default_direct_buckets"] == runs["off_direct_buckets"] == 0
-        assert runs["on_direct_buckets"] == len(sizes)
-        # A grad is its own reduce input when its param needs no padding; the others are packed.
-        assert runs["on_grads_as_inputs"] == sum(n % world == 0 for n in sizes)
+        assert runs["on_direct_buckets"] == len(shapes)
+        # A grad is its own reduce input when its param needs no padding rows; the others are packed.
+        assert runs["on_grads_as_inputs"] == sum(s[0] % world == 0 for s in shapes)
         for name, run in runs["on"].items():
             diffs = run if name == "mixed_precision" else run["diffs"]
             if name != "mixed_precision":

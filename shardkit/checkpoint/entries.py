@@ -97,9 +97,13 @@ def optimizer_views(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
 
 def is_shard_state(value: Any, view: ShardView) -> bool:
-    """True for optimizer state laid out like the parameter's shard (e.g. Adam's exp_avg)."""
-    return (isinstance(value, torch.Tensor) and value.dim() == 1
-            and value.numel() == view.param.numel())
+    """True for optimizer state laid out like the parameter's shard (e.g. Adam's exp_avg).
+
+    0-d state never is: it cannot be told apart from a counter such as Adam's `step`, and a 0-d
+    parameter's only element lives on shard rank 0, whose state is saved as small state.
+    """
+    return (isinstance(value, torch.Tensor) and value.dim() >= 1
+            and value.shape == view.param.shape)
 
 
 def optim_key(fqn: str, state_key: str) -> str:

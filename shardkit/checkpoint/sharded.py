@@ -37,7 +37,10 @@ def _check_weights_only(obj: Any, what: str) -> bytes:
 
 
 def _chunk(local: torch.Tensor, view: ShardView) -> FlatChunk:
-    return FlatChunk(local.detach()[:view.valid_numel], view.offset, _numel(view.full_shape))
+    # Shards keep their parameter's dimensions; on disk each is its flat slice of the flattened
+    # full tensor (a view, so loading fills `local` in place).
+    return FlatChunk(local.detach().view(-1)[:view.valid_numel], view.offset,
+                     _numel(view.full_shape))
 
 
 def _numel(shape) -> int:
@@ -256,7 +259,8 @@ def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: di
         for view in views:
             per_param = dict(state["optim_small"].get(view.fqn, {}))
             for key, md in shard_keys.get(view.fqn, []):
-                target = torch.zeros(view.param.numel(), dtype=dtype_from_name(md["dtype"]),
+                # Shaped like the shard, also for checkpoints written when shards were 1-D.
+                target = torch.zeros(view.param.shape, dtype=dtype_from_name(md["dtype"]),
                                      device=view.param.device)
                 chunks[key] = _chunk(target, view)
                 per_param[md["state"]] = target

@@ -60,7 +60,8 @@ class _Layout:
         self.master_bytes = param.dtype.itemsize
         self.compute_dtype = config.compute_dtype(param.dtype)
         self.reduce_dtype = config.reduce_dtype(param.dtype)
-        self.padded, self.shard = shard_layout(self.numel, group, alignment)
+        layout = shard_layout(param.shape, group, alignment)
+        self.padded, self.shard = layout.padded_numel, layout.shard_numel
 
 
 def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "FULL_SHARD",

@@ -2,7 +2,8 @@
 
 Layout (one job per file): policies (strategy, MixedPrecision, config), plan (which module is a
 unit, which unit owns each parameter), groups (shard / replicate groups), param (one parameter's
-shard and gathered tensor), collectives (fused copy-in, collective, fused copy-out; divide
+shard and gathered tensor; layout: its dim-0 row split), param_access (global shape, full
+tensor and local rows of a sharded parameter, for training code), collectives (fused copy-in, collective, fused copy-out; divide
 factors), buffers (flat-buffer reuse on host-ordered devices), lifecycle (a unit's ShardedState /
 TrainingState machines), reshard (per-unit reshard_after_forward values, k-rank groups), unit
 (the lifecycle transitions and the reduce of one unit), state (per-model context, execution
@@ -18,6 +19,7 @@ from .api import shard
 from .clip import clip_grad_norm_
 from .forward_methods import register_forward_method
 from .module_api import ShardedModule, get_state
+from .param_access import full_shape, full_tensor, local_shard
 from .policies import MixedPrecision, ShardingStrategy
 from .views import (ShardView, iter_unit_full_params, load_full_param_, shard_views,
                     sharding_info)
@@ -35,4 +37,4 @@ def comm_stats(model, reset: bool = False) -> dict:
 __all__ = ["MixedPrecision", "ShardView", "ShardedModule", "ShardingStrategy", "clip_grad_norm_",
            "comm_stats", "get_state", "iter_unit_full_params", "load_full_param_", "shard",
            "shard_views", "sharding_info"]
-__all__ += ["register_forward_method"]
+__all__ += ["register_forward_method", "full_shape", "full_tensor", "local_shard"]

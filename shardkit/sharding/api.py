@@ -18,6 +18,7 @@ from .verify import maybe_wrap
 from .groups import make_groups, shard_group_size
 from .materialize import has_meta, materialize
 from .module_api import STATE_ATTR, sharded_class
+from .param_access import remember_params
 from .param import ShardedParam
 from .plan import ParamPlan, all_param_plans, plan_units
 from .policies import MixedPrecision, ShardConfig, ShardingStrategy
@@ -135,6 +136,7 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     state.root_unit = state.units[-1]
     for unit in state.units:
         hooks.install(unit)
+    remember_params(state)
     model.__dict__[STATE_ATTR] = state
     log_sharding(model, state)
     model.__class__ = sharded_class(type(model))

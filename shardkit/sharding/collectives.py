@@ -98,7 +98,7 @@ def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device:
 
 def copy_in(params: Sequence[ShardedParam], inp: torch.Tensor, sizes: Sequence[int]) -> None:
     """Cast and copy every shard into its columns of `inp` in one fused (foreach) copy."""
-    shards = [p.sharded.detach() for p in params]
+    shards = [p.shard_flat() for p in params]
     if len(shards) == 1:
         inp.copy_(shards[0])
         return

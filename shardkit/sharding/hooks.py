@@ -9,6 +9,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from typing_extensions import override
 
+from ..errors import ShardkitError
 from ..failure import where
 from .state import ShardState
 from .trace import trace_range
@@ -148,4 +149,35 @@ def install(unit: ShardUnit) -> list:
         # Root only: inner units' outputs feed the root's own layers, which compute in param_dtype.
         handles.append(module.register_forward_hook(
             lambda m, a, k, o, u=unit: cast_outputs(u, m, a, k, o), with_kwargs=True))
-    return handles
+    return handles + _guard_layers(unit)
+
+
+def _guard_layers(unit: ShardUnit) -> list:
+    """Make each layer holding this unit's parameters refuse a call while they are row shards.
+
+    A shard keeps its parameter's dimensions, so a layer called directly (outside the model's
+    forward and any registered method) would not fail on shapes: a Linear would return this
+    rank's slice of the features and an Embedding would look rows up in the wrong table. Added
+    after the unit's own pre-forward hook, which exposes the gathered parameters first.
+    """
+    owned: dict[torch.nn.Module, list] = {}
+    for sp in unit.params:
+        if sp.shard_shape != sp.full_shape:
+            for module, name in sp.owners:
+                owned.setdefault(module, []).append((name, sp))
+    return [module.register_forward_pre_hook(
+        lambda m, a, pairs=pairs: _refuse_if_sharded(m, pairs)) for module, pairs in owned.items()]
+
+
+def _refuse_if_sharded(module: torch.nn.Module, pairs: list) -> None:
+    if torch.compiler.is_compiling():  # compiled code runs only inside forward
+        return
+    for name, sp in pairs:
+        if module._parameters.get(name) is sp.sharded:
+            raise ShardkitError(
+                f"{type(module).__name__} holding {sp.fqn!r} was called outside the sharded "
+                f"model's forward, while this rank holds only rows of it ({tuple(sp.shard_shape)} "
+                f"of {tuple(sp.full_shape)}): it would compute with a slice of the weight. HINT: "
+                "call it through the model's forward, register the method that calls it with "
+                "shardkit.register_forward_method(model, 'method_name'), or call it inside "
+                "`with model.unshard():`")

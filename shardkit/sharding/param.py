@@ -1,7 +1,11 @@
-"""One original parameter under sharding: its 1-D padded master shard and its gathered full tensor.
+"""One original parameter under sharding: its master shard (whole rows) and its gathered full tensor.
 
-Layout: the parameter is flattened and right-padded to `padded_numel`, a multiple of
-shard_group.size * alignment; rank r of the shard group owns elements [r*shard_numel, (r+1)*shard_numel).
+Layout (sharding/layout.py): the parameter is split along dim 0 into `rows_per_rank` rows per
+rank of the shard group, padded with rows at the end. The shard keeps the parameter's
+dimensions (a (32, 16) weight is a (rows_per_rank, 16) tensor) because training scripts branch
+on them: a weight-decay rule on `p.dim() >= 2` silently decays nothing when shards are 1-D.
+Flattened, rank r's shard is elements [r*shard_numel, (r+1)*shard_numel) of the row-major,
+right-padded parameter, so every collective works on flat views as before.
 The sharded nn.Parameter (what the optimizer owns) is registered on the owning module(s) outside
 forward/backward; the unsharded nn.Parameter (full shape, compute dtype) is registered while the
 unit computes. The unsharded one is the same Python object for the whole run, so tensors autograd
@@ -34,11 +38,13 @@ class ShardedParam:
         self.requires_grad = orig.requires_grad
         self._backend = backend
         self.group_size = shard_group.size
-        self.padded_numel, self.shard_numel = shard_layout(self.numel, shard_group.size, alignment)
+        layout = shard_layout(orig.shape, shard_group.size, alignment)
+        self.padded_numel, self.shard_numel = layout.padded_numel, layout.shard_numel
+        self.shard_shape = torch.Size(layout.shard_shape)
         self.offset = shard_group.rank * self.shard_numel
         self.valid_numel = max(0, min(self.shard_numel, self.numel - self.offset))
         self.sharded = nn.Parameter(
-            torch.zeros(self.shard_numel, dtype=self.master_dtype, device=shard_device),
+            torch.zeros(self.shard_shape, dtype=self.master_dtype, device=shard_device),
             requires_grad=orig.requires_grad)
         self.is_meta = orig.device.type == "meta"
         if not self.is_meta:
@@ -65,6 +71,10 @@ class ShardedParam:
         return max(0, min(self.shard_numel, self.numel - group_rank * self.shard_numel))
 
     # ---- the master shard ------------------------------------------------------------------
+    def shard_flat(self) -> torch.Tensor:
+        """The master shard as a flat (shard_numel,) view, outside autograd: what collectives read."""
+        return self.sharded.detach().reshape(-1)
+
     def load_full(self, full: torch.Tensor) -> None:
         """Copy this rank's slice of a full tensor into the shard in place; padding becomes zero."""
         if tuple(full.shape) != tuple(self.full_shape):
@@ -74,13 +84,14 @@ class ShardedParam:
                                 f"tensor given has shape {tuple(full.shape)}")
         flat = full.reshape(-1)
         with torch.no_grad():
-            self.sharded.data.zero_()
+            shard = self.sharded.data.view(-1)  # a view: the copy lands in the parameter
+            shard.zero_()
             if self.valid_numel:
-                self.sharded.data[:self.valid_numel].copy_(
-                    flat[self.offset:self.offset + self.valid_numel])
+                shard[:self.valid_numel].copy_(flat[self.offset:self.offset + self.valid_numel])
 
     def accumulate_grad(self, grad: torch.Tensor) -> None:
-        """Add a reduced gradient shard to the sharded parameter's .grad (creating it if absent)."""
+        """Add a reduced flat gradient shard to the sharded parameter's .grad (creating it if absent)."""
+        grad = grad.view(self.shard_shape)
         if self.sharded.grad is None:
             # A view of the reduce output is fine: that buffer is exactly the shards, per step.
             self.sharded.grad = grad.to(device=self.sharded.device, dtype=self.sharded.dtype)

@@ -4,10 +4,10 @@ Checkpointing reads and writes a sharded model only through these five names, so
 internals can change without touching checkpoint code:
 
 - ``ShardView`` (frozen): one parameter as checkpointing sees it. ``fqn`` is its state_dict name;
-  ``full_shape``/``dtype`` the original tensor; ``param`` the 1-D sharded nn.Parameter the
-  optimizer steps (its state is keyed by it); this rank holds elements
-  ``[offset, offset + valid_numel)`` of the flattened full tensor in ``param[:valid_numel]``, the
-  rest of its ``shard_numel`` elements being zero padding; ``shard_group``/``replica_group`` say
+  ``full_shape``/``dtype`` the original tensor; ``param`` the sharded nn.Parameter the
+  optimizer steps (its state is keyed by it), whole rows of the original with its dimensions;
+  this rank holds elements ``[offset, offset + valid_numel)`` of the flattened full tensor in
+  ``param.view(-1)[:valid_numel]``, the rest of its ``shard_numel`` elements being zero padding; ``shard_group``/``replica_group`` say
   which ranks hold the other slices (replica None: no replication); tied names give one view each.
 - ``shard_views(model)``: every view, in state_dict order (buffers are not included: they are
   full and replicated, and read from the module as usual).

@@ -1,0 +1,93 @@
+"""Training code's view of a sharded parameter: its global shape, its full tensor, its rows.
+
+After shard(), each parameter is this rank's rows of the original (same dimensions, fewer rows),
+which is what elementwise optimizers and shape rules need. Code that needs the whole tensor
+(an optimizer that orthogonalises whole matrices, a fan-in computed from the global shape, a
+log of the real shape) asks here. Every function also takes a plain parameter and then answers
+for it unchanged, so the same optimizer or script runs sharded and unsharded.
+
+The engine's parameter objects are looked up by identity in a registry of weak references:
+nothing is attached to the nn.Parameter itself, so pickling or copying one never drags engine
+state along, and a dropped model frees its entries.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import ShardkitError
+
+if TYPE_CHECKING:
+    from .param import ShardedParam
+    from .state import ShardState
+
+_REGISTRY: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref]] = {}
+
+
+def remember_params(state: "ShardState") -> None:
+    """Make every sharded parameter of `state` answerable by full_shape/full_tensor/local_shard."""
+    for key in [k for k, (param, _, _) in _REGISTRY.items() if param() is None]:
+        del _REGISTRY[key]
+    for sp in state.iter_params():
+        _REGISTRY[id(sp.sharded)] = (weakref.ref(sp.sharded), weakref.ref(sp), weakref.ref(state))
+
+
+def _lookup(param: torch.Tensor) -> tuple["ShardedParam", "ShardState"] | None:
+    entry = _REGISTRY.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    sp, state = entry[1](), entry[2]()
+    return None if sp is None or state is None else (sp, state)
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The parameter's shape before shard() (its own shape if it is not sharded); no communication."""
+    found = _lookup(param)
+    return param.shape if found is None else found[0].full_shape
+
+
+def full_tensor(param: torch.Tensor, local: torch.Tensor | None = None) -> torch.Tensor:
+    """Collective over the parameter's shard group: the full tensor of `local` (default: the
+    parameter's values), a tensor laid out like this rank's shard such as `param.grad` or an
+    optimizer's momentum; every rank of the group must call it for the same parameter.
+
+    Returns a new tensor of full_shape(param) in `local`'s dtype on its device; for a parameter
+    that is not sharded, `local` itself.
+    """
+    local = param.detach() if local is None else local.detach()
+    found = _lookup(param)
+    if found is None:
+        return local
+    sp, state = found
+    if local.shape != sp.shard_shape:
+        raise ShardkitError(f"full_tensor({sp.fqn!r}): the tensor given has shape "
+                            f"{tuple(local.shape)}, this rank's shard has {tuple(sp.shard_shape)}. "
+                            "HINT: pass a tensor laid out like the sharded parameter (its .grad, "
+                            "or optimizer state created with torch.zeros_like(param))")
+    inp = local.reshape(-1).to(state.device).contiguous()
+    out = torch.empty(sp.padded_numel, dtype=inp.dtype, device=state.device)
+    state.stats.all_gather(inp.numel() * inp.element_size(), state.shard_group.size)
+    state.backend.all_gather_into_tensor(out, inp, state.shard_group, async_op=False).wait()
+    return out[:sp.numel].view(sp.full_shape).to(local.device)
+
+
+def local_shard(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of `full` (a tensor of full_shape(param)), laid out like the sharded
+    parameter with zero padding rows; `full` itself for a parameter that is not sharded. No
+    communication: every rank computes the same full tensor and keeps its own rows."""
+    found = _lookup(param)
+    if found is None:
+        return full
+    sp = found[0]
+    if full.shape != sp.full_shape:
+        raise ShardkitError(f"local_shard({sp.fqn!r}): the tensor given has shape "
+                            f"{tuple(full.shape)}, the parameter's full shape is "
+                            f"{tuple(sp.full_shape)}. HINT: pass a tensor of full_shape(param)")
+    out = torch.zeros(sp.shard_shape, dtype=full.dtype, device=param.device)
+    if sp.valid_numel:
+        out.view(-1)[:sp.valid_numel].copy_(
+            full.detach().reshape(-1)[sp.offset:sp.offset + sp.valid_numel])
+    return out
