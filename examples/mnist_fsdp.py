@@ -106,8 +106,8 @@ def fsdp_main(rank, args):
     """One rank: shard the model, train and test every epoch, optionally save the full weights."""
     ctx = shardkit.current_context()
     train_data, test_data = load_digits_28(limit_train=args.limit_train)
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = Net()
+    with shardkit.seeded(args.seed):  # the same initial weights on every rank
+        model = Net()
     # The tutorial's `model = FSDP(model, auto_wrap_policy=my_auto_wrap_policy)`:
     model = shardkit.shard(model, auto_wrap_policy=shardkit.wrap.size_based(min_num_params=100))
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)

@@ -62,8 +62,11 @@ def _mp_fn(index: int, flags: argparse.Namespace) -> dict:
     """One rank: shard, train, test; return this rank's numbers."""
     ctx = shardkit.current_context()
     device = ctx.device
-    torch.manual_seed(flags.seed)  # the same initial weights on every rank
-    model = shardkit.shard(MNIST())  # was: XlaFullyShardedDataParallel(MNIST().to(device))
+    # The same initial weights on every rank: device threads share torch's RNG, and seeded()
+    # keeps each rank's seed-and-build from interleaving with another's.
+    with shardkit.seeded(flags.seed):
+        model = MNIST()
+    model = shardkit.shard(model)  # was: XlaFullyShardedDataParallel(MNIST().to(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=flags.lr, momentum=flags.momentum)
     loss_fn = nn.NLLLoss()
     train_x, train_y = synthetic_digits(flags.train_size, seed=100 + ctx.rank)  # this rank's shard

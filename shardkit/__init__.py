@@ -19,6 +19,8 @@ from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, comm_s
 from .planner import Plan, plan
 from .sharding import register_forward_method
 from .sharding import full_shape, full_tensor, local_shard
+from .sharding.replicas import check_model_replicas as check_replicas
+from .seeding import seeded
 
 __all__ = [
     "API_VERSION", "Backend", "BackendNotFoundError", "BackendUnavailableError", "Capabilities",
@@ -30,6 +32,7 @@ __all__ = [
     "MixedPrecision", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "shard", "wrap",
     "checkpoint", "Plan", "plan",
 ]
-__all__ += ["register_forward_method", "full_shape", "full_tensor", "local_shard"]
+__all__ += ["register_forward_method", "full_shape", "full_tensor", "local_shard",
+            "check_replicas", "seeded"]
 
 _configure_logging()  # SHARDKIT_LOG=debug|info prints the "shardkit" logger to stderr

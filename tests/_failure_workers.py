@@ -141,6 +141,13 @@ def checkpoint_errors(rank: int, world: int, root: str) -> dict:
     attempt("not_weights_only", lambda: ck.save(os.path.join(root, "x"), model,
                                                  extra={"step": 3, "obj": _NotWeightsOnly()}))
     out["x_exists"] = os.path.exists(os.path.join(root, "x"))
+    # Not even picklable (a lambda): refused on every rank alike, so training and saving go on.
+    attempt("unpicklable", lambda: ck.save(os.path.join(root, "y"), model,
+                                            extra={"step": 3, "fn": lambda: 0}))
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    ck.save(os.path.join(root, "after"), model, opt, extra={"step": 3})
+    out["saved_after_unpicklable"] = os.path.exists(os.path.join(root, "after"))
     attempt("missing_dir", lambda: ck.load(os.path.join(root, "never-saved"), model))
     for name, kw in (("shallower", {"blocks": 1}), ("deeper", {"blocks": 3}), ("wider", {"dim": 16})):
         other, _ = make(**kw)

@@ -32,13 +32,9 @@ def cpu_pjrt(monkeypatch):
     """Every test of a module that imports this fixture runs XLA on the CPU client."""
     for key, value in XLA_TEST_ENV.items():
         monkeypatch.setenv(key, value)
-_RNG_LOCK = threading.Lock()  # device threads share torch's default generator
-
-
 def reference_and_copy(seed: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(eager-CPU reference, identical copy to shard), built from one seed."""
-    with _RNG_LOCK:
-        torch.manual_seed(seed)
+    with shardkit.seeded(seed):  # device threads share torch's default generator
         ref = TinyNet()
     return ref, copy.deepcopy(ref)
 
@@ -138,8 +134,7 @@ def global_step_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sharded_tinynet(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """TinyNet from `seed`, FULL_SHARD with a unit per Block, and AdamW over its shards."""
-    with _RNG_LOCK:
-        torch.manual_seed(seed)
+    with shardkit.seeded(seed):
         model = TinyNet()
     model = shardkit.shard(model, auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -228,3 +223,24 @@ def hang_on_rank_one(rank: int) -> int:
     if rank == 1:
         threading.Event().wait()
     return rank
+
+
+def seeding_trials(rank: int, trials: int) -> list[dict]:
+    """First `trials` builds under shardkit.seeded(t) (every thread's draws go through the
+    lock), then the documented pattern in racing device threads `trials` times:
+    torch.manual_seed(t); TinyNet() in every rank, then shard() (sync_module_states defaults to
+    True on thread ranks)."""
+    seeded_builds = []
+    for trial in range(trials):
+        with shardkit.seeded(trial):
+            seeded_builds.append({n: p.detach().clone() for n, p in TinyNet().named_parameters()})
+    ctx = shardkit.current_context()  # no thread starts racing before every thread built
+    ctx.backend.all_reduce(torch.zeros(1, device=ctx.device), ctx.world).wait()
+    out = []
+    for trial in range(trials):
+        torch.manual_seed(trial)
+        model = TinyNet()  # other threads may reseed or draw meanwhile
+        own = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model = shardkit.shard(model, auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+        out.append({"gathered": full_params(model), "own": own, "seeded": seeded_builds[trial]})
+    return out

@@ -90,6 +90,9 @@ def test_checkpoint_failures_say_where_and_keep_the_previous_checkpoint(results)
         assert out["not_weights_only"].startswith(
             "CheckpointError: extra cannot be stored: loading it back would need to unpickle code")
         assert not out["x_exists"]
+        assert out["unpicklable"].startswith("CheckpointError: extra cannot be stored: it does not "
+                                             "pickle") and "HINT" in out["unpicklable"]
+        assert out["saved_after_unpicklable"]
         assert out["missing_dir"] == (
             f"CheckpointNotFoundError: no checkpoint at {out['missing_dir'].split(' at ')[1]}")
         assert out["missing_dir"].endswith("/never-saved")

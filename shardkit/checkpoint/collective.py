@@ -55,7 +55,7 @@ def on_rank0(ctx: DistContext, what: str, fn: Callable[[], Any]) -> Any:
     if ctx.rank == 0:
         try:
             result = fn()
-        except (OSError, CheckpointError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
             failure = exc
     if any_rank(ctx, failure is not None):
         # Every rank raises rank 0's words, so whichever rank's log is read names the cause.

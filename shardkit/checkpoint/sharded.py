@@ -22,17 +22,24 @@ from .host_io import load_chunks_to_device, save_chunks_from_host
 STATE_FILE = "shardkit_state.pt"
 
 
+_EXTRA_HINT = ("HINT: keep `extra` to tensors, numbers, strings, lists, tuples and dicts "
+               "(e.g. torch.get_rng_state(), scheduler.state_dict(); turn numpy arrays into "
+               "tensors or lists).")
+
+
 def _check_weights_only(obj: Any, what: str) -> bytes:
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    try:
+        torch.save(obj, buf)
+    except Exception as exc:  # noqa: BLE001 - a lambda, a lock, an open file: say which
+        raise CheckpointError(f"{what} cannot be stored: it does not pickle "
+                              f"({type(exc).__name__}: {exc}). {_EXTRA_HINT}") from None
     try:
         torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - report whatever torch's safe loader refused
         raise CheckpointError(
             f"{what} cannot be stored: loading it back would need to unpickle code ({exc}). "
-            "HINT: keep `extra` to tensors, numbers, strings, lists, tuples and dicts "
-            "(e.g. torch.get_rng_state(), scheduler.state_dict(); turn numpy arrays into "
-            "tensors or lists).") from None
+            f"{_EXTRA_HINT}") from None
     return buf.getvalue()
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..seeding import seeded
 from .data import batches, load_digits_28, rank_indices, rank_slice
 from .memory import measured_state_bytes, unsharded_state_bytes
 from .models import build_model, count_params
@@ -124,8 +125,8 @@ def train_rank(rank: int, cfg: DemoConfig) -> dict:
     train, test = load_digits_28(cfg.limit_train)
     # Taken after the data and its libraries are loaded, so peak - start is what training added.
     start_bytes = ctx.backend.memory_stats(ctx.device)["allocated"]
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model)
+    with seeded(cfg.seed):  # one model on every rank, also when ranks are threads (XLA)
+        model = build_model(cfg.model)
     num_params = count_params(model)
     model = _shard(model, cfg, ctx)
     opt = _optimizer(model, cfg)

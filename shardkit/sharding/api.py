@@ -9,6 +9,7 @@ from torch import nn
 
 from ..backend import Backend
 from ..errors import ShardkitError
+from ..logs import logger
 from ..runtime import require_context
 from ..wrap import WrapPolicy, as_policy
 from . import hooks
@@ -18,11 +19,12 @@ from .verify import maybe_wrap
 from .groups import make_groups, shard_group_size
 from .materialize import has_meta, materialize
 from .module_api import STATE_ATTR, sharded_class
-from .param_access import remember_params
+from .param_access import is_sharded_param, remember_params
 from .param import ShardedParam
 from .plan import ParamPlan, all_param_plans, plan_units
 from .policies import MixedPrecision, ShardConfig, ShardingStrategy
 from .report import log_sharding
+from .replicas import broadcast_from_first, check_replicas
 from .reshard import ReshardSpec, make_reshard_groups, resolve
 from .state import ShardState
 from .unit import ShardUnit
@@ -48,6 +50,27 @@ def _check_not_sharded(model: nn.Module) -> None:
             where = f"submodule {name!r}" if name else "the model"
             raise ShardkitError(f"{where} is already sharded; call shardkit.shard() once, on the "
                                 "root model, and choose units with auto_wrap_policy=")
+    for name, param in model.named_parameters():
+        if is_sharded_param(param):  # a part of a model sharded before (e.g. model[0])
+            raise ShardkitError(f"parameter {name!r} of this {type(model).__name__} already "
+                                "belongs to a sharded model (the module is part of one); call "
+                                "shardkit.shard() once, on the root model, and make this module "
+                                "a unit with auto_wrap_policy=")
+
+
+def _sync_module_states(requested: bool | None, backend: Backend) -> bool:
+    if requested is not None:
+        if not isinstance(requested, bool):
+            raise ShardkitError(f"sync_module_states must be True, False or None, got "
+                                f"{requested!r}")
+        return requested
+    if backend.capabilities.ranks_share_process:
+        # Ranks that are threads share torch's RNG: the same seed in every rank still races,
+        # so rank 0's values are copied instead of compared.
+        logger.info("shard(): ranks share one process (%s): copying rank 0's parameters and "
+                    "buffers to every rank (sync_module_states=True)", backend.name)
+        return True
+    return False
 
 
 def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
@@ -56,7 +79,8 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
           backend: str | Backend | None = None, cpu_offload: bool = False,
           param_init_fn: Callable[[nn.Module], object] | None = None, prefetch: int = 1,
           hybrid_group_size: int | None = None, verify: bool | None = None,
-          reshard_after_forward: ReshardSpec = None) -> nn.Module:
+          reshard_after_forward: ReshardSpec = None,
+          sync_module_states: bool | None = None) -> nn.Module:
     """Shard `model` in place over the data-parallel ranks and return it (names unchanged).
 
     - strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (gathered params kept from forward to
@@ -80,7 +104,14 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     - verify: check before every collective that all ranks issue the same one, and raise naming
       the first difference instead of hanging (default: on when SHARDKIT_DEBUG=1; costs a store
       round trip per collective).
-    Afterwards model.parameters() are this rank's 1-D padded shards (what the optimizer owns);
+    - sync_module_states: True copies rank 0's parameters (before sharding; after
+      materialisation from meta) and buffers to every rank, so the model is exactly rank 0's.
+      False (the default where ranks are processes) instead compares everything replicated
+      (each parameter's shard across its replicas, every buffer across all ranks) and raises,
+      naming the first difference, if ranks built different values. None: True where ranks are
+      threads of one process (Capabilities.ranks_share_process), else False.
+    Afterwards model.parameters() are this rank's rows of each parameter (dim-0 shards with the
+    parameter's dimensions, padded with zero rows; what the optimizer owns);
     model.no_sync(), model.set_requires_gradient_sync() and model.unshard() are available, and
     the model's context (backend, groups) lives on the model, not in process-global state.
     """
@@ -96,7 +127,9 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     n_shard = shard_group_size(config.strategy, hybrid_group_size, ctx.env.local_world_size,
                                ctx.world.size)
     reshard = resolve(reshard_after_forward, units_plan, config, n_shard)
-    check_same_model(describe(units_plan, config) + [f"reshard_after_forward: {reshard}"],
+    sync = _sync_module_states(sync_module_states, be)
+    check_same_model(describe(units_plan, config) + [f"reshard_after_forward: {reshard}",
+                                                     f"sync_module_states: {sync}"],
                      ctx.world)  # before any group
     if not any(u.params for u in units_plan):
         raise ShardkitError(f"shard() got a model with no parameters ({type(model).__name__}): "
@@ -111,6 +144,9 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     by_param: dict[int, ShardedParam] = {}
 
     def make(plan: ParamPlan, value: nn.Parameter) -> None:
+        if sync:
+            value = nn.Parameter(broadcast_from_first(value, be, ctx.world, device),
+                                 requires_grad=value.requires_grad)
         sp = ShardedParam(plan.fqns, plan.owners, value, shard_group,
                           be.capabilities.shard_alignment, shard_device, device,
                           config.compute_dtype(value.dtype), be)
@@ -124,7 +160,9 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     for module in model.modules():
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device != device:
-                module._buffers[name] = buf.to(device)
+                module._buffers[name] = buf = buf.to(device)
+            if buf is not None and sync:
+                module._buffers[name] = broadcast_from_first(buf, be, ctx.world, device)
     for plan in plans.values():
         if id(plan.param) not in by_param:
             make(plan, plan.param)
@@ -136,6 +174,9 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     state.root_unit = state.units[-1]
     for unit in state.units:
         hooks.install(unit)
+    if not sync:
+        check_replicas([(sp.fqn, sp.sharded) for sp in state.iter_params()], replica_group,
+                       list(model.named_buffers()), ctx.world, be, device)
     remember_params(state)
     model.__dict__[STATE_ATTR] = state
     log_sharding(model, state)

@@ -43,6 +43,11 @@ def _lookup(param: torch.Tensor) -> tuple["ShardedParam", "ShardState"] | None:
     return None if sp is None or state is None else (sp, state)
 
 
+def is_sharded_param(param: torch.Tensor) -> bool:
+    """True for a parameter object that shard() made (a live model's shard)."""
+    return _lookup(param) is not None
+
+
 def full_shape(param: torch.Tensor) -> torch.Size:
     """The parameter's shape before shard() (its own shape if it is not sharded); no communication."""
     found = _lookup(param)
