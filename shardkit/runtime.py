@@ -67,13 +67,16 @@ def _set_current(ctx: DistContext | None) -> None:
 
 
 def init(backend: str | Backend | None = None, timeout: datetime.timedelta | float | None = None,
-         device_id: DeviceLike = None) -> DistContext:
+         device_id: DeviceLike = None, watchdog: bool | None = None) -> DistContext:
     """Initialise the process group from the launcher's environment and return this rank's context.
 
     timeout (seconds or a timedelta; default SHARDKIT_TIMEOUT, else 30 s on cpu and 10 minutes on
     accelerators) bounds how long a collective waits for its peers and how long a dead peer on
     another host goes unnoticed (one on this host is noticed within a second).
+    watchdog (default SHARDKIT_WATCHDOG, on): the per-rank thread that names a failed peer and,
+    in a launched rank, ends this one; False leaves failures to the collectives' timeout.
     """
+    enabled = failure.watchdog_requested(watchdog)
     existing = current_context()
     be = get_backend(backend)
     if existing is not None:
@@ -94,7 +97,7 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
                 ctx.rank, ctx.world_size, env.local_rank, env.launcher, be.name, device,
                 be.process_group_backend())
     _set_current(ctx)
-    failure.start(world.rank, world.size, timeout, be.capabilities.ranks_share_process)
+    failure.start(world.rank, world.size, timeout, be.capabilities.ranks_share_process, enabled)
     return ctx
 
 

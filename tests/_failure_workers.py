@@ -36,6 +36,8 @@ def _fail(kind: str, mark: str) -> None:
         f.write(repr(time.time()))
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "dataloader":  # the words torch's DataLoader uses, raised far from any collective
+        raise RuntimeError("DataLoader timed out after 5 seconds")
     raise InjectedFailure("injected failure")
 
 
@@ -222,3 +224,18 @@ def finish_unevenly(rank: int, world: int, work_s: float) -> str:
     if rank != 0:
         time.sleep(work_s)  # longer than the timeout: rank 0 and its store are long gone
     return f"rank {rank} done, sum {t.item():g}"
+
+
+def watchdog_state(rank: int) -> dict:
+    """Whether shardkit.spawn's init() started a watchdog (SHARDKIT_WATCHDOG decides) and
+    replaced sys.excepthook, and whether shutdown() put the hook back."""
+    import sys
+
+    from shardkit import failure
+
+    out = {"active": failure.active() is not None,
+           "hook_replaced": sys.excepthook is failure._excepthook}
+    shardkit.shutdown()
+    out["hook_restored"] = sys.excepthook is not failure._excepthook
+    return out
+

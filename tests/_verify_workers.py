@@ -66,3 +66,35 @@ def diverge(rank: int, world: int, case: str, verify: bool | None) -> dict:
         diffs.append(max_diff(full_params(model), ref))
     backend = model._shardkit_state.backend
     return {"diffs": diffs, "verified": getattr(backend, "verified_collectives", None)}
+
+
+def two_verified_models(rank: int, world: int) -> dict:
+    """A teacher and a student, both verified, used in turn (rank 1 lags behind on purpose, so
+    one model's keys would be read as the other's if they shared them); both train like the
+    reference."""
+    import time
+
+    torch.manual_seed(0)
+    refs = [TinyNet(), TinyNet(dim=10)]  # other sizes: crossed keys would not match
+    models = [shardkit.shard(copy.deepcopy(r), verify=True,
+                             auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+              for r in refs]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    ref_opts = [torch.optim.SGD(r.parameters(), lr=0.1) for r in refs]
+    for step in range(2):
+        for i, (model, opt) in enumerate(zip(models, opts)):
+            if rank == 1:
+                time.sleep(0.3)
+            x, y = batch(step * 2 + i, rank)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        for i, (ref, opt) in enumerate(zip(refs, ref_opts)):
+            for r in range(world):
+                x, y = batch(step * 2 + i, r)
+                (F.cross_entropy(ref(x), y) / world).backward()
+            opt.step()
+            opt.zero_grad()
+    verified = [m._shardkit_state.backend.verified_collectives for m in models]
+    return {"diffs": [max_diff(full_params(m), r) for m, r in zip(models, refs)],
+            "verified": verified}

@@ -105,3 +105,24 @@ def test_suite_catches_a_backend_whose_declared_exact_ops_are_wrong() -> None:
         assert what in text
     assert "premul_sum torch.float32" not in text  # the fp32 pre-scaled sum is right
     assert "expected the mean over 2 ranks" in text
+
+
+class ClobberingGather(CPUBackend):
+    """Clears the output before gathering into it: right for a separate input buffer, wrong for
+    the engine's in-place gather, whose input is a row of that output."""
+
+    name = "cpu-clobbering-gather"
+
+    def all_gather_into_tensor(self, output, input, group, async_op=False):
+        """Zero `output`, then gather (reading an input that may just have been zeroed)."""
+        output.zero_()
+        return shardkit.Backend.all_gather_into_tensor(self, output, input, group, async_op=async_op)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_suite_catches_a_backend_that_breaks_the_engines_in_place_gather() -> None:
+    """The plain all_gather check passes (separate input); the engine's call shape does not."""
+    result = run_world(ClobberingGather(), 2, checks=["all_gather", "engine_call_shapes"])
+    assert result.failed_checks() == ["engine_call_shapes"]
+    assert "in-place all_gather torch.float32 (async_op=False)" in result.failure("engine_call_shapes")

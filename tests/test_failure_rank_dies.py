@@ -86,6 +86,23 @@ def test_survivors_exit_naming_the_failed_rank(tmp_path, world, strategy, kind, 
         assert 0 <= times[rank] < EXIT_BOUND_S, times
 
 
+@pytest.mark.slow
+def test_an_error_that_mentions_a_timeout_outside_any_collective_is_the_ranks_own(tmp_path):
+    """"timed out" in a DataLoader's error used to be read as a collective failure: the rank did
+    not post it, and the others could only say it died. Classified by where it was raised (not
+    inside a collective), it is this rank's own failure, named by every peer."""
+    mark = str(tmp_path / "failed_at")
+    with pytest.raises(SpawnError) as info:
+        shardkit.spawn(train_until_failure, 2, 2, "FULL_SHARD", 1, "dataloader", "step", mark,
+                       threads_per_rank=1, timeout=TIMEOUT_S)
+    err = info.value
+    assert err.exitcodes[1] == 1 and "DataLoader timed out" in err.reports[1]
+    assert "a collective failed" not in err.reports[1]
+    assert err.exitcodes[0] == PEER_FAILED_EXIT
+    assert re.search(r"rank 1 raised RuntimeError: DataLoader timed out after 5 seconds \(in ",
+                     err.reports[0]), err.reports[0]
+
+
 def test_timeout_comes_from_the_argument_then_the_environment(monkeypatch):
     monkeypatch.delenv("SHARDKIT_TIMEOUT", raising=False)
     assert resolve_timeout(None).total_seconds() == 30

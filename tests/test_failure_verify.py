@@ -10,7 +10,7 @@ import shardkit
 from shardkit.sharding.verify import requested
 from shardkit.spawn import SpawnError
 
-from _verify_workers import diverge
+from _verify_workers import diverge, two_verified_models
 
 TIMEOUT_S = 8
 
@@ -71,3 +71,11 @@ def test_debug_env_switches_verification_on_and_the_argument_wins(monkeypatch):
     for value, on in (("1", True), ("yes", True), ("0", False), ("", False), ("off", False)):
         monkeypatch.setenv("SHARDKIT_DEBUG", value)
         assert requested(None) is on and requested(False) is False and requested(True) is True
+
+
+def test_two_verified_models_in_one_job_keep_their_own_sequences():
+    """Each verified model numbers its collectives in its own keys: a student's first collective
+    is never compared with the teacher's first (a false CollectiveOrderError before)."""
+    for r in shardkit.spawn(two_verified_models, 2, 2, threads_per_rank=1):
+        assert all(n > 10 for n in r["verified"]), r["verified"]
+        assert max(r["diffs"]) <= 1e-5, r["diffs"]

@@ -14,10 +14,12 @@ from ..errors import PeerFailedError, ShardkitError
 from . import where
 from .watchdog import PEER_FAILED_EXIT, Failure, Watchdog, as_seconds, default_store_client, emit
 
-__all__ = ["DEFAULT_ACCELERATOR_TIMEOUT", "DEFAULT_TIMEOUT", "PEER_FAILED_EXIT", "Failure", "TIMEOUT_ENV", "Watchdog",
-           "on_exception", "resolve_timeout", "start", "stop", "where"]
+__all__ = ["DEFAULT_ACCELERATOR_TIMEOUT", "DEFAULT_TIMEOUT", "PEER_FAILED_EXIT", "Failure", "TIMEOUT_ENV",
+           "WATCHDOG_ENV", "Watchdog", "interactive", "on_exception", "resolve_timeout", "start",
+           "stop", "watchdog_requested", "where"]
 
 TIMEOUT_ENV = "SHARDKIT_TIMEOUT"
+WATCHDOG_ENV = "SHARDKIT_WATCHDOG"
 # Long enough for a slow step or a checkpoint write on one rank, short enough that a dead peer
 # never parks a job for the half hour torch's own default allows.
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=30)
@@ -54,16 +56,40 @@ def resolve_timeout(timeout: datetime.timedelta | float | None,
     return datetime.timedelta(seconds=seconds)
 
 
-def start(rank: int, world_size: int, timeout: datetime.timedelta, shares_process: bool) -> None:
-    """Start this rank's watchdog (process-group jobs of two or more ranks only)."""
+def watchdog_requested(watchdog: bool | None) -> bool:
+    """init(watchdog=...) if given, else SHARDKIT_WATCHDOG (on unless 0/false/no/off)."""
+    if watchdog is not None:
+        if not isinstance(watchdog, bool):
+            raise ShardkitError(f"watchdog must be True, False or None, got {watchdog!r}")
+        return watchdog
+    return os.environ.get(WATCHDOG_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def interactive() -> bool:
+    """True in a REPL or a notebook kernel: a process that must never be ended for the user."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "ipykernel" in sys.modules
+
+
+def start(rank: int, world_size: int, timeout: datetime.timedelta, shares_process: bool,
+          enabled: bool = True) -> None:
+    """Start this rank's watchdog (process-group jobs of two or more ranks only).
+
+    In a launched rank it also reports through sys.excepthook and on SIGTERM, and ends the
+    process when a peer failed (its training thread may be stuck in a collective). In an
+    interactive process it only reports: the stuck call then fails by the timeout and raises.
+    """
     global _watchdog, _previous_excepthook
     where.reset()
-    if world_size < 2 or shares_process or _watchdog is not None:
+    if not enabled or world_size < 2 or shares_process or _watchdog is not None:
         return
     store = default_store_client()
     if store is None:
         return
-    _watchdog = Watchdog(store, rank, world_size, as_seconds(timeout))
+    launched = not interactive()
+    _watchdog = Watchdog(store, rank, world_size, as_seconds(timeout), may_exit=launched)
+    atexit.register(stop)
+    if not launched:
+        return
     # Launchers (torchrun) SIGTERM the other ranks as soon as one fails: say where this one was.
     if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
@@ -71,18 +97,21 @@ def start(rank: int, world_size: int, timeout: datetime.timedelta, shares_proces
     if _previous_excepthook is None:
         _previous_excepthook = sys.excepthook
         sys.excepthook = _excepthook
-        atexit.register(stop)
 
 
 def stop() -> None:
-    """Stop the watchdog: this rank is done, and peers must not mistake its exit for a death."""
-    global _watchdog
+    """Stop the watchdog and put back what start() installed; peers must not take this rank's
+    exit for a death."""
+    global _watchdog, _previous_excepthook
     wd, _watchdog = _watchdog, None
     if wd is not None:
         wd.finish()
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGTERM) is _on_sigterm):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _on_sigterm):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if _previous_excepthook is not None and sys.excepthook is _excepthook:
+        sys.excepthook = _previous_excepthook
+    _previous_excepthook = None
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -108,17 +137,40 @@ def active() -> Watchdog | None:
     return _watchdog
 
 
-def _looks_like_a_collective_failure(exc: BaseException) -> bool:
+def _torch_collective_files() -> tuple[str, ...]:
     import torch.distributed as dist
 
+    here = os.path.dirname(os.path.abspath(dist.__file__))
+    return tuple(os.path.join(here, name) for name in ("distributed_c10d.py", "c10d_logger.py"))
+
+
+def _is_work(obj: object) -> bool:
+    """A collective's handle (handles.Work is a protocol: any plugin's own type counts)."""
+    return callable(getattr(obj, "wait", None)) and callable(getattr(obj, "is_completed", None))
+
+
+def raised_in_a_collective(exc: BaseException) -> bool:
+    """True when `exc` came out of a collective or the wait for one, told by its traceback (a
+    frame of torch's collectives, or of a method of a Backend or a Work: any plugin's), never by
+    its words: "timed out" in a DataLoader's error is that rank's own failure."""
+    import torch.distributed as dist
+
+    from ..backend import Backend
+
+    if isinstance(exc, ShardkitError):
+        return False  # shardkit's own refusals (bad sizes, a dtype) are this rank's error
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(s in text for s in (
-        "Connection closed", "Connection reset", "Connection refused", "Broken pipe",
-        "Timed out", "timed out", "Socket Timeout", "gloo", "Gloo",
-        # gloo's words when a broadcast or all-reduce waits past the timeout on its peer
-        "Application timeout caused pair closure"))
+    torch_files = _torch_collective_files()
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        owner = frame.f_locals.get("self")
+        if (os.path.abspath(frame.f_code.co_filename) in torch_files
+                or isinstance(owner, Backend) or _is_work(owner)):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def on_exception(exc: BaseException) -> BaseException:
@@ -131,7 +183,7 @@ def on_exception(exc: BaseException) -> BaseException:
     wd = _watchdog
     if wd is None or isinstance(exc, (PeerFailedError, KeyboardInterrupt)):
         return exc
-    if _looks_like_a_collective_failure(exc):
+    if raised_in_a_collective(exc):
         failures = wd.diagnose(wait=min(wd.timeout, 3.0))
         if failures:
             if not wd.claim_report():

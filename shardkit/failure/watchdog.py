@@ -3,7 +3,7 @@ raises is named, and the ranks left waiting for it exit within the timeout inste
 
 Every rank runs one daemon thread. Each tick it bumps its heartbeat counter and reads the board.
 A peer counts as failed when it posted to the board (it raised), when its process is gone (peers
-on this host: checked by pid, so a SIGKILL is seen within a tick), or when its heartbeat has not
+on this node, as node.py defines it: checked by pid, so a SIGKILL is seen within a tick), or when its heartbeat has not
 moved for `timeout` seconds (peers elsewhere). A survivor then prints who failed and where it was
 itself (unit and phase), and exits: its training thread may be blocked inside a collective that
 no Python code can interrupt.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 import threading
 import time
@@ -23,6 +22,7 @@ from typing import Any
 from typing_extensions import override
 
 from . import where
+from .node import node_identity, pid_alive
 
 # The exit status of a rank that stops because another rank failed (not because of itself).
 PEER_FAILED_EXIT = 75
@@ -43,35 +43,19 @@ class Failure:
         return f"rank {self.rank} {self.cause}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # A zombie has exited; only its parent has not reaped it yet.
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Watchdog:
     """Heartbeat, failure board and dead-peer detection for one rank of a process-group job."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout: float) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, timeout: float,
+                 may_exit: bool = True) -> None:
         self.store = store
+        self.may_exit = may_exit  # False in a REPL or notebook: report, never end the process
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
         # Ticks fine enough to notice a death well inside the timeout, coarse enough to cost nothing.
         self.interval = min(1.0, max(0.05, timeout / 20))
-        self.host = socket.gethostname()
+        self.node = node_identity()  # None: no peer's pid can be checked from here
         self.peers = [r for r in range(world_size) if r != rank]
         self._beats = {r: (-1, time.monotonic()) for r in self.peers}
         self._local_pids: dict[int, int] | None = None
@@ -87,7 +71,7 @@ class Watchdog:
         # and its print must not end the process with nothing said.
         self.report_written = threading.Event()
         self._lock = threading.Lock()
-        store.set(f"{_PREFIX}pid/{rank}", f"{self.host}:{os.getpid()}")
+        store.set(f"{_PREFIX}pid/{rank}", f"{self.node or '-'}:{os.getpid()}")
         store.add(f"{_PREFIX}hb/{rank}", 1)
         self._thread = threading.Thread(target=self._run, name="shardkit-watchdog", daemon=True)
         self._thread.start()
@@ -192,11 +176,11 @@ class Watchdog:
                 key = f"{_PREFIX}pid/{rank}"
                 if not self.store.check([key]):
                     return []  # not every peer has started its watchdog yet
-                host, _, pid = self.store.get(key).decode().rpartition(":")
-                if host == self.host:
+                node, _, pid = self.store.get(key).decode().rpartition(":")
+                if self.node is not None and node == self.node:
                     pids[rank] = int(pid)
             self._local_pids = pids
-        return [rank for rank, pid in self._local_pids.items() if not _pid_alive(pid)]
+        return [rank for rank, pid in self._local_pids.items() if not pid_alive(pid)]
 
     def diagnose(self, wait: float) -> list[Failure]:
         """After a collective failed here: find the culprit, giving peers `wait` seconds to show life."""
@@ -252,6 +236,10 @@ class Watchdog:
         self.report_written.set()
         self.acknowledge()
         self.linger(failures)
+        if not self.may_exit:
+            # The user's process: the blocked call fails by the timeout and raises there.
+            self._stop.set()
+            return
         os._exit(PEER_FAILED_EXIT)
 
     def linger(self, failures: list[Failure]) -> None:

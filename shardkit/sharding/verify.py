@@ -27,6 +27,10 @@ from .collectives import factor_kwargs
 ENV = "SHARDKIT_DEBUG"
 _PREFIX = "shardkit/verify/"
 _KEEP = 64  # fingerprints a rank keeps in the store (peers read them within a few collectives)
+# Verified models made in this process so far. Every rank shards its models in the same order,
+# so the n-th one is the same model everywhere: its number keeps two models' sequence counters
+# (a teacher and a student, an EMA copy) from reading each other's keys.
+_models_made = 0
 
 
 class CollectiveOrderError(ShardkitError):
@@ -51,16 +55,21 @@ def maybe_wrap(backend: Backend, verify: bool | None, timeout: datetime.timedelt
                                 "as processes, world size > 1); HINT: run under shardkit.spawn, "
                                 "torchrun or shardkit launch")
         return backend
-    return VerifyingBackend(backend, store, timeout)  # type: ignore[return-value]
+    global _models_made
+    _models_made += 1
+    return VerifyingBackend(backend, store, timeout,  # type: ignore[return-value]
+                            f"{_PREFIX}model{_models_made}/")
 
 
 class VerifyingBackend:
     """A Backend whose collectives are checked for the same order on every rank first."""
 
-    def __init__(self, backend: Backend, store: Any, timeout: datetime.timedelta) -> None:
+    def __init__(self, backend: Backend, store: Any, timeout: datetime.timedelta,
+                 prefix: str = _PREFIX) -> None:
         self._backend = backend
         self._store = store
         self._timeout = timeout
+        self._prefix = prefix  # one per verified model: its own sequence numbers
         self._seq: dict[tuple[int, ...], int] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -105,7 +114,7 @@ class VerifyingBackend:
         members = tuple(group.ranks)
         seq = self._seq.get(members, 0) + 1
         self._seq[members] = seq
-        base = f"{_PREFIX}{'-'.join(map(str, members))}/"
+        base = f"{self._prefix}{'-'.join(map(str, members))}/"
         me = group.ranks[group.rank]
         # An extra evaluation forward is the classic divergence: mark forwards under no_grad so
         # the very first collective of one tells it apart from a training forward.

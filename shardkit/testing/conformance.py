@@ -187,6 +187,33 @@ def check_all_gather(c: Checker) -> None:
 
 
 @_check
+def check_engine_call_shapes(c: Checker) -> None:
+    """The calls the engine itself makes (sharding/collectives.py), beyond the plain ones above:
+    an in-place all-gather whose input is this rank's row of the output (sync and async), and a
+    reduce-scatter whose input the engine overwrites and reuses right after wait() (it consumes
+    its input: the buffer goes back to a pool for the next collective)."""
+    n = 13
+    for dtype in c.dtypes():
+        for async_op in (False, True):
+            out = c.blank(c.size * n, dtype)
+            row = out[c.rank * n:(c.rank + 1) * n]
+            row.copy_(c.put(values(c.rank, n), dtype))
+            c.be.all_gather_into_tensor(out, row, c.ctx.world, async_op=async_op).wait()
+            c.expect_equal(out, torch.cat([values(r, n) for r in range(c.size)]),
+                           f"in-place all_gather {dtype} (async_op={async_op})")
+        scratch = c.put(values(c.rank, c.size * n, offset=3), dtype)
+        first, second = c.blank(n, dtype), c.blank(n, dtype)
+        c.be.reduce_scatter_tensor(first, scratch, c.ctx.world, op="sum", async_op=True).wait()
+        scratch.fill_(1.5)  # the pool hands the buffer straight to the next reduction
+        c.be.reduce_scatter_tensor(second, scratch, c.ctx.world, op="sum").wait()
+        total = total_of(values(r, c.size * n, offset=3) for r in range(c.size))
+        c.expect_equal(first, total[c.rank * n:(c.rank + 1) * n],
+                       f"reduce_scatter {dtype}: output changed when its consumed input was reused")
+        c.expect_equal(second, torch.full((n,), 1.5 * c.size, dtype=torch.float64),
+                       f"reduce_scatter {dtype} from a reused input buffer")
+
+
+@_check
 def check_reduce_scatter_sum(c: Checker) -> None:
     """reduce_scatter_tensor with 'sum' leaves rank r the sum of every input's r-th slice."""
     for dtype in c.dtypes():

@@ -1,0 +1,143 @@
+"""The safety net never hurts a healthy job: no live peer declared dead where /proc is missing
+or hostnames repeat, an off switch, nothing process-wide left behind, and no interpreter ended
+when it is a notebook or REPL (issue 25's items 2 and 4)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import shardkit
+from shardkit.failure import node, watchdog_requested
+from shardkit.failure.watchdog import Watchdog
+from shardkit.spawn import free_port
+
+from _failure_workers import watchdog_state
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _exited_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_without_proc_a_live_pid_is_alive_and_an_exited_one_is_not(monkeypatch, tmp_path):
+    monkeypatch.setattr(node, "PROC", str(tmp_path))  # a /proc with nothing in it (macOS)
+    assert node.pid_alive(os.getpid())
+    assert not node.pid_alive(_exited_pid())
+    assert node.node_identity() is None  # nothing to tell machines apart: no peer is local
+
+
+def test_with_proc_pids_are_checked_and_the_node_names_boot_and_pid_namespace():
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    assert node.pid_alive(os.getpid()) and not node.pid_alive(_exited_pid())
+    ident = node.node_identity()
+    assert ident is not None and ident.count("/") >= 2
+
+
+def _watchdog(store, me_node: str | None, monkeypatch) -> Watchdog:
+    monkeypatch.setattr("shardkit.failure.watchdog.node_identity", lambda: me_node)
+    return Watchdog(store, 0, 2, timeout=3600.0)
+
+
+@pytest.mark.parametrize("peer_node, local", [
+    ("hostA/boot-1/4026531836", True),    # the same machine and pid namespace: check its pid
+    ("hostA/boot-2/4026531836", False),   # same hostname, another machine (another boot)
+    ("hostA/boot-1/4026532999", False),   # same machine, another container (pid namespace)
+])
+def test_only_peers_of_the_same_node_are_checked_by_pid(monkeypatch, peer_node, local):
+    store = dist.HashStore()
+    wd = _watchdog(store, "hostA/boot-1/4026531836", monkeypatch)
+    try:
+        store.set("shardkit/failure/pid/1", f"{peer_node}:{_exited_pid()}")
+        assert wd._dead_local_peers() == ([1] if local else [])
+    finally:
+        wd.finish()
+
+
+def test_a_node_that_cannot_name_itself_checks_no_pid(monkeypatch):
+    store = dist.HashStore()
+    wd = _watchdog(store, None, monkeypatch)
+    try:
+        store.set("shardkit/failure/pid/1", f"-:{_exited_pid()}")  # a peer that cannot either
+        assert wd._dead_local_peers() == []
+    finally:
+        wd.finish()
+
+
+def test_watchdog_switch_argument_then_environment(monkeypatch):
+    monkeypatch.delenv("SHARDKIT_WATCHDOG", raising=False)
+    assert watchdog_requested(None) and not watchdog_requested(False)
+    for off in ("0", "false", "off"):
+        monkeypatch.setenv("SHARDKIT_WATCHDOG", off)
+        assert not watchdog_requested(None) and watchdog_requested(True)
+    with pytest.raises(shardkit.ShardkitError, match="watchdog must be"):
+        watchdog_requested("no")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env, active", [(None, True), ("0", False)])
+def test_spawned_ranks_start_the_watchdog_unless_switched_off_and_restore_the_hook(
+        monkeypatch, env, active):
+    if env is None:
+        monkeypatch.delenv("SHARDKIT_WATCHDOG", raising=False)
+    else:
+        monkeypatch.setenv("SHARDKIT_WATCHDOG", env)
+    for r in shardkit.spawn(watchdog_state, 2, threads_per_rank=1):
+        assert r["active"] is active and r["hook_replaced"] is active
+        assert r["hook_restored"]
+
+
+_NOTEBOOK_RANK = textwrap.dedent("""
+    import os, signal, sys
+    if os.environ["RANK"] == "0":
+        sys.ps1 = ">>> "  # what a REPL or notebook kernel has
+    import torch, torch.nn.functional as F, shardkit
+    sys.path.insert(0, {tests!r})
+    from _models import Block, TinyNet, batch
+    shardkit.init(timeout=10)
+    torch.manual_seed(0)
+    model = shardkit.shard(TinyNet(), auto_wrap_policy=shardkit.wrap.transformer_layers({{Block}}))
+    caught = "nothing"
+    try:
+        for step in range(1000):
+            if os.environ["RANK"] == "1" and step == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = batch(step, int(os.environ["RANK"]))
+            F.cross_entropy(model(x), y).backward()
+    except Exception as exc:  # what the user sees in the cell
+        caught = type(exc).__name__
+    import time
+    time.sleep(3)  # the session goes on: the watchdog has long seen rank 1's death by now
+    print("alive after", caught, flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_an_interactive_rank_gets_an_exception_instead_of_being_ended(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(_NOTEBOOK_RANK.format(tests=str(ROOT / "tests")))
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=tmp_path,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    started = time.monotonic()
+    out, err = procs[0].communicate(timeout=120)
+    procs[1].wait(timeout=30)
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == 0, err  # not PEER_FAILED_EXIT (75): the kernel lives on
+    assert "alive after" in out and "alive after nothing" not in out, (out, err)
+    assert "rank 1 died" in err  # the watchdog still named the culprit
+    assert time.monotonic() - started < 60
