@@ -240,6 +240,11 @@ class Watchdog:
             # The user's process: the blocked call fails by the timeout and raises there.
             self._stop.set()
             return
+        for stream in (sys.stdout, sys.stderr):  # os._exit drops what is still buffered
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed or broken stream: nothing to save
+                pass
         os._exit(PEER_FAILED_EXIT)
 
     def linger(self, failures: list[Failure]) -> None:
