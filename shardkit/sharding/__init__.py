@@ -1,18 +1,19 @@
 """The sharding engine: per-parameter shards, per-unit flat collectives, hook-driven runtime.
 
 Layout (one job per file): policies (strategy, MixedPrecision, config), plan (which module is a
-unit, which unit owns each parameter), groups (shard / replicate groups), param (one parameter's
-shard and gathered tensor; layout: its dim-0 row split), param_access (global shape, full
-tensor and local rows of a sharded parameter, for training code), collectives (fused copy-in, collective, fused copy-out; divide
-factors), buffers (flat-buffer reuse on host-ordered devices), lifecycle (a unit's ShardedState /
-TrainingState machines), reshard (per-unit reshard_after_forward values, k-rank groups), unit
-(the lifecycle transitions and the reduce of one unit), state (per-model context, execution
-order, prefetch, backward finaliser), hooks (module and autograd hooks), forward_methods (other
-methods run under the hooks), reduce_ops (AVG / PREMUL_SUM or SUM + divide), materialize
-(meta-device init), api (shard()), module_api (no_sync, unshard, gradient sync, explicit
-prefetch), clip
-(clip_grad_norm_), comm_stats (bytes sent), views (the checkpoint contract), trace (`shardkit::`
-profiler ranges, free without a profiler).
+unit, which unit owns each parameter), groups (shard / replicate groups), layout (a parameter's
+dim-0 row split), param (one parameter's shard and gathered tensor), param_access (global
+shape, full tensor and local rows of a sharded parameter, for training code), collectives
+(fused copy-in, collective, fused copy-out; divide factors), buffers (flat-buffer reuse on
+host-ordered devices), lifecycle (a unit's ShardedState / TrainingState machines), reshard
+(per-unit reshard_after_forward values, k-rank groups), unit (the lifecycle transitions and the
+reduce of one unit), state (per-model context, execution order, prefetch, backward finaliser),
+hooks (module and autograd hooks), forward_methods (other methods run under the hooks),
+reduce_ops (AVG / PREMUL_SUM or SUM + divide), materialize (meta-device init), replicas
+(compare replicated values across ranks, or copy rank 0's), api (shard()), module_api
+(no_sync, unshard, gradient sync, explicit prefetch), clip (clip_grad_norm_), comm_stats (bytes
+sent), views (the checkpoint contract), trace (`shardkit::` profiler ranges, free without a
+profiler).
 """
 
 from .api import shard

@@ -161,8 +161,10 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device != device:
                 module._buffers[name] = buf = buf.to(device)
-            if buf is not None and sync:
-                module._buffers[name] = broadcast_from_first(buf, be, ctx.world, device)
+    if sync:  # in place: a buffer registered on several modules stays one tensor
+        with torch.no_grad():
+            for _, buf in model.named_buffers():
+                buf.copy_(broadcast_from_first(buf, be, ctx.world, device))
     for plan in plans.values():
         if id(plan.param) not in by_param:
             make(plan, plan.param)
