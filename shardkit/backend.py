@@ -234,8 +234,13 @@ class Backend:
             # A lone process: an in-memory store, so no port is opened and nothing can collide.
             dist.init_process_group(store=dist.HashStore(), **options)
         else:
+            from .rendezvous import join_job_store
+
+            # torch's own rendezvous, checked to be this job's store before the group uses it;
+            # the prefix is the one torch gives its default group's keys on the env:// path.
             env.export()
-            dist.init_process_group(init_method="env://", **options)
+            store = join_job_store(env, timeout)
+            dist.init_process_group(store=dist.PrefixStore("default_pg", store), **options)
         return self.world_group()
 
     def world_group(self) -> Group:

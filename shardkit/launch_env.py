@@ -20,6 +20,12 @@ _LAUNCHERS = (
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 )
 
+JOB_ID_ENV = "SHARDKIT_JOB_ID"
+# Variables whose value is the same for every rank of one job and differs between jobs; first
+# match wins. torchrun's run id is "none" unless --rdzv-id or --standalone set it.
+_JOB_ID_VARS = (JOB_ID_ENV, "TORCHELASTIC_RUN_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE",
+                "SLURM_JOB_ID")
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -32,6 +38,7 @@ class LaunchEnv:
     master_addr: str
     master_port: int | None  # None: a lone process that needs no rendezvous
     launcher: str
+    job_id: str | None = None  # e.g. "SLURM_JOB_ID=1234": what tells this job from another
 
     def export(self, environ: dict[str, str] | None = None) -> None:
         """Write the torch env:// variables so torch.distributed and child libraries agree."""
@@ -62,6 +69,18 @@ def _local_size(environ: Mapping[str, str], var: str, launcher: str, world_size:
     return _int({var: raw}, var)
 
 
+def job_identity(environ: Mapping[str, str] | None = None) -> str | None:
+    """Name this job as "VAR=value" from the first launcher variable that identifies it, or None."""
+    environ = os.environ if environ is None else environ
+    for var in _JOB_ID_VARS:
+        value = environ.get(var, "").strip()
+        if value and not (var == "TORCHELASTIC_RUN_ID" and value == "none"):
+            if var == "SLURM_JOB_ID" and environ.get("SLURM_STEP_ID"):
+                value = f"{value}.{environ['SLURM_STEP_ID']}"
+            return f"{var}={value}"
+    return None
+
+
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Return the LaunchEnv described by environment variables; a bare process is rank 0 of 1."""
     environ = os.environ if environ is None else environ
@@ -79,6 +98,6 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
                 port = None
             return LaunchEnv(rank, world_size, local_rank,
                              _local_size(environ, local_size_var, launcher, world_size),
-                             addr, port, launcher)
+                             addr, port, launcher, job_identity(environ))
     lone_port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None
-    return LaunchEnv(0, 1, 0, 1, addr, lone_port, "none")
+    return LaunchEnv(0, 1, 0, 1, addr, lone_port, "none", job_identity(environ))

@@ -196,6 +196,12 @@ def test_init_sets_the_normalised_device_and_binds_xccl_to_it_under_mpirun(clean
     seen = {}
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: seen.update(kw))
+    # The job's store is checked by shardkit.rendezvous (tested in test_two_jobs.py); here no
+    # connection to the launcher's address may be made.
+    joined = []
+    monkeypatch.setattr("shardkit.rendezvous.join_job_store",
+                        lambda env, timeout: joined.append((env.rank, env.master_addr,
+                                                            env.master_port)) or dist.HashStore())
     monkeypatch.setattr(dist, "get_rank", lambda: 5)
     monkeypatch.setattr(dist, "get_world_size", lambda: 8)
     be = standin(count=4)
@@ -206,7 +212,8 @@ def test_init_sets_the_normalised_device_and_binds_xccl_to_it_under_mpirun(clean
     world = be.init_process_group(env, datetime.timedelta(seconds=5))
     assert be.runtime.module.calls == [("set_device", torch.device("xpu:1"))]
     assert seen["backend"] == "xccl" and seen["device_id"] == torch.device("xpu:1")
-    assert (seen["rank"], seen["world_size"], seen["init_method"]) == (5, 8, "env://")
+    assert (seen["rank"], seen["world_size"]) == (5, 8)
+    assert joined == [(5, "10.0.0.1", 29999)] and isinstance(seen["store"], dist.PrefixStore)
     assert (world.rank, world.size) == (5, 8)
     assert clean_env["RANK"] == "5" and clean_env["LOCAL_RANK"] == "1"
 
