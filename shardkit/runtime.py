@@ -14,6 +14,7 @@ from .errors import ShardkitError
 from .handles import Group
 from .launch_env import LaunchEnv
 from .logs import logger
+from .parent_death import die_with_parent, launched_by_shardkit
 from .selection import get_backend
 from .step_boundary import install_step_hook
 
@@ -86,6 +87,8 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
                                 f"initialising {be.name!r}")
         return existing
     timeout = failure.resolve_timeout(timeout, be.capabilities.default_timeout)
+    if launched_by_shardkit():
+        die_with_parent()  # `shardkit launch` killed, even by SIGKILL: no orphaned ranks
     env = be.launch_env()
     device = be.normalize_device(device_id, env.local_rank)
     be.set_device(device)
@@ -113,9 +116,27 @@ def require_context(backend: str | Backend | None = None) -> DistContext:
 
 
 def shutdown() -> None:
-    """Tear down the process group made by `init()` and forget the context."""
+    """Tear down the process group made by `init()` and forget the context.
+
+    Called while an exception is on its way out (the `finally: shardkit.shutdown()` of a failing
+    loop, or an `except` block), it first reports that exception as an uncaught one would be: a
+    rank's own error is posted so its peers name it, and a collective that failed because of a
+    peer is re-raised as the PeerFailedError naming that peer (chained to the original).
+    """
+    import sys
+
     ctx = current_context()
+    in_flight = sys.exc_info()[1]
+    replacement = None
     if ctx is not None:
+        if in_flight is not None:
+            # Once the watchdog is stopped below, this rank's failure could no longer be told
+            # to its peers, and the report would be gloo's last words instead of shardkit's.
+            replacement = failure.on_exception(in_flight)
         failure.stop()
         ctx.backend.shutdown()
     _set_current(None)
+    if in_flight is not None and replacement is not None and replacement is not in_flight:
+        if failure.quiet(in_flight, replacement):
+            raise replacement from None  # the original's traceback is in the file it names
+        raise replacement from in_flight

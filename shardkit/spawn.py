@@ -59,7 +59,12 @@ def _rank_body(local_rank: int, fn: Callable, backend: Any, args: tuple,
 def _rank_main(local_rank: int, fn: Callable, nprocs: int, port: int, backend: Any,
                args: tuple, threads: int | None, result_dir: str,
                timeout: datetime.timedelta | float | None = None,
-               caller: _CallerState | None = None) -> None:
+               caller: _CallerState | None = None, caller_pid: int | None = None) -> None:
+    from .parent_death import end_with_process
+
+    # A SIGTERM or SIGKILL of the caller must not leave this rank training as an orphan.
+    if caller_pid is not None:
+        end_with_process(caller_pid)
     if caller is not None:
         caller.apply()
         if threads is None:
@@ -68,7 +73,9 @@ def _rank_main(local_rank: int, fn: Callable, nprocs: int, port: int, backend: A
     os.environ.update({"RANK": str(local_rank), "WORLD_SIZE": str(nprocs),
                        "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nprocs),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "SHARDKIT_ERROR_FILE": error_file})
+                       "SHARDKIT_ERROR_FILE": error_file,
+                       # The result directory is unique to this spawn: its name names the job.
+                       "SHARDKIT_JOB_ID": f"shardkit.spawn/{os.path.basename(result_dir)}"})
     if threads is not None:
         import torch
 
@@ -130,7 +137,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | Backen
         caller = _CallerState(dict(os.environ)) if method == "forkserver" else None
         context = mp.start_processes(_rank_main, nprocs=nprocs, join=False, start_method=method,
                                      args=(fn, nprocs, free_port(), backend, args,
-                                           threads_per_rank, result_dir, timeout, caller))
+                                           threads_per_rank, result_dir, timeout, caller,
+                                           os.getpid()))
         _join(context.processes, grace, result_dir)
         out = []
         for rank in range(nprocs):

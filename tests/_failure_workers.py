@@ -154,6 +154,19 @@ def checkpoint_errors(rank: int, world: int, root: str) -> dict:
     for name, kw in (("shallower", {"blocks": 1}), ("deeper", {"blocks": 3}), ("wider", {"dim": 16})):
         other, _ = make(**kw)
         attempt(name, lambda other=other: ck.load(good, other))
+    # The hint's strict=False: the shared entries load, the rest keep their values; shapes
+    # must still agree, and the optimizer must be the one that saved.
+    deeper, _ = make(blocks=3)
+    kept = {k: v.clone() for k, v in ck.full_state_dict(deeper).items() if k.startswith("blocks.2.")}
+    ck.load(good, deeper, strict=False)
+    got = ck.full_state_dict(deeper)
+    out["non_strict_loaded"] = all(torch.equal(got[k], saved[k]) for k in saved)
+    out["non_strict_kept"] = all(torch.equal(got[k], kept[k]) for k in kept) and len(kept) == 11
+    wider, _ = make(dim=16)
+    attempt("non_strict_wider", lambda: ck.load(good, wider, strict=False))
+    sgd_model, _ = make()
+    sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9)
+    attempt("other_optimizer", lambda: ck.load(good, sgd_model, sgd))
     # The checkpoint from before the failed saves still loads, verifies and holds the step-1 state.
     fresh, fresh_opt = make()
     extra = ck.load(good, fresh, fresh_opt)

@@ -99,5 +99,14 @@ def test_checkpoint_failures_say_where_and_keep_the_previous_checkpoint(results)
         assert "unexpected in the source (11): blocks.1.fc1.bias, blocks.1.fc1.weight" in out["shallower"]
         assert "missing in the source (11): blocks.2.fc1.bias, blocks.2.fc1.weight" in out["deeper"]
         assert "shape mismatch (27): blocks.0.fc1.bias: source [29] vs model [33]" in out["wider"]
+        assert out["non_strict_loaded"] and out["non_strict_kept"]
+        assert "shape mismatch (27): blocks.0.fc1.bias: source [29] vs model [33]" in \
+            out["non_strict_wider"]
+        assert "pass strict=False (shardkit.checkpoint.load or load_full_state_dict)" in out["deeper"]
+        assert out["other_optimizer"] == (
+            f"CheckpointError: checkpoint {out['other_optimizer'].split()[2]} holds the state of a "
+            "torch.optim.adamw.AdamW optimizer, but the optimizer given to load() is a "
+            "torch.optim.sgd.SGD. HINT: build the same optimizer class as at save time, or load "
+            "the model alone (shardkit.checkpoint.load(path, model)) and start a fresh optimizer.")
         for key in ("shallower", "deeper", "wider"):
             assert out[key].startswith("StateDictMismatchError: checkpoint ")

@@ -113,11 +113,22 @@ def test_timeout_comes_from_the_argument_then_the_environment(monkeypatch):
     assert resolve_timeout(None).total_seconds() == 7
     assert resolve_timeout(None, datetime.timedelta(minutes=10)).total_seconds() == 7
     assert resolve_timeout(3).total_seconds() == 3
-    monkeypatch.setenv("SHARDKIT_TIMEOUT", "soon")
-    with pytest.raises(shardkit.ShardkitError, match="SHARDKIT_TIMEOUT must be a positive number"):
-        resolve_timeout(None)
-    with pytest.raises(shardkit.ShardkitError, match="timeout must be a positive number"):
-        resolve_timeout(-1)
+    assert resolve_timeout(datetime.timedelta(days=30)).total_seconds() == 30 * 86400
+    assert resolve_timeout(1).total_seconds() == 1
+    # Each out-of-range value is refused once, up front, naming where it came from: before,
+    # "inf" and "1e300" ended in an OverflowError and "1e-9" in 110 lines of C++ output.
+    for bad in ("soon", "inf", "1e300", "1e-9", "0", "-5", "nan", "0.5"):
+        monkeypatch.setenv("SHARDKIT_TIMEOUT", bad)
+        with pytest.raises(shardkit.ShardkitError,
+                           match=rf"^SHARDKIT_TIMEOUT must be a number of seconds \(or a "
+                                 rf"timedelta\) from 1 to 2592000 \(30 days\), got '{bad}'"):
+            resolve_timeout(None)
+    monkeypatch.delenv("SHARDKIT_TIMEOUT")
+    for bad in (-1, float("inf"), 1e300, 1e-9, datetime.timedelta(days=31), "x", None.__class__):
+        with pytest.raises(shardkit.ShardkitError, match=r"^timeout must be a number of seconds"):
+            resolve_timeout(bad)
+    with pytest.raises(shardkit.ShardkitError, match=r"^timeout must be .* got inf"):
+        shardkit.init(timeout=float("inf"))
 
 
 LAUNCHED = textwrap.dedent("""

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import shardkit
@@ -141,3 +142,28 @@ def test_an_interactive_rank_gets_an_exception_instead_of_being_ended(tmp_path):
     assert "alive after" in out and "alive after nothing" not in out, (out, err)
     assert "rank 1 died" in err  # the watchdog still named the culprit
     assert time.monotonic() - started < 60
+
+
+def test_where_follows_the_forward_out_of_each_unit_and_past_the_model():
+    from shardkit.failure import where
+
+    from _models import Block, TinyNet
+
+    shardkit.init(backend="cpu")
+    try:
+        assert where.describe() == "setup, before any sharded unit ran"
+        torch.manual_seed(0)
+        model = shardkit.shard(TinyNet(), auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+        seen = []
+        model.blocks[0].register_forward_hook(lambda *a: seen.append(where.describe()))
+        model.blocks[1].register_forward_pre_hook(lambda *a: seen.append(where.describe()))
+        out = model(torch.randn(2, 1, 4, 4))
+        # Block 0 finished: the rank is back in the root unit (not "still in blocks.0"), then in
+        # blocks.1, and past the model once forward returned (a failing loss is located there).
+        assert seen == ["unit '<root>', forward", "unit 'blocks.1', forward"]
+        assert where.describe() == ("after the model's forward (the loss, or your code before "
+                                    "backward)")
+        out.sum().backward()
+        assert where.describe().endswith(", backward")
+    finally:
+        shardkit.shutdown()

@@ -37,5 +37,6 @@ class StateDictMismatchError(CheckpointError):
         if self.mismatched:
             lines.append(f"  shape mismatch ({len(self.mismatched)}): {'; '.join(self.mismatched)}")
         lines.append("HINT: load into the same architecture the source was saved from, or pass "
-                     "strict=False to skip missing and unexpected entries.")
+                     "strict=False (shardkit.checkpoint.load or load_full_state_dict) to load "
+                     "only the entries both have; shapes must agree either way.")
         super().__init__("\n".join(lines))

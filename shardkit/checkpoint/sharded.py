@@ -112,7 +112,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     mine = {i: mf.sha256_file(os.path.join(tmp, rel))
             for i, rel in enumerate(files) if i % ctx.world_size == ctx.rank}
     digests = dict(zip(files, collective.merge_digests(ctx, mine, len(files))))
-    info = _info(model, entries, shards, ctx, extra, step)
+    info = _info(model, entries, shards, ctx, extra, step, optimizer)
     collective.on_rank0(ctx, f"saving {path}", lambda: (
         mf.write_manifest(tmp, info, digests), mf.replace_dir(tmp, path)))
     return path
@@ -129,13 +129,35 @@ def _write_shards(ctx, path: str, tmp: str, chunks: dict[str, FlatChunk]) -> Non
             save_chunks_from_host(tmp, chunks, ctx)
     except (CheckpointException, OSError) as exc:
         failures = getattr(exc, "failures", None) or {ctx.rank: exc}
-        causes = "; ".join(f"rank {r}: {_root_cause(e)}" for r, e in sorted(failures.items()))
+        causes = "; ".join(f"rank {r}: {_name_a_full_disk(tmp, _root_cause(e))}"
+                           for r, e in sorted(failures.items()))
         if ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back; it never was a checkpoint
         raise CheckpointError(
             f"saving {path} failed while writing shard files into {tmp} ({causes}). Any previous "
             f"checkpoint at {path} is untouched: a save only replaces it once complete. HINT: "
             "free space on that file system or save somewhere writable") from exc
+
+
+# torch's zip writer reports a short write (a full disk) as "unexpected pos N vs M" or "file
+# write failed", and DCP passes that on. Those words, or this little free space left, mean the
+# disk filled up (free space is read after the fact: another rank may already have freed some).
+_NEARLY_FULL_BYTES = 1 << 20
+_SHORT_WRITE_WORDS = ("unexpected pos", "file write failed")
+
+
+def _name_a_full_disk(directory: str, cause: str) -> str:
+    """Say "no space left on device" when the file system is (nearly) full, whatever torch said."""
+    if "No space left on device" in cause:
+        return cause
+    probe = directory if os.path.isdir(directory) else os.path.dirname(directory)
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return cause
+    if free >= _NEARLY_FULL_BYTES and not any(words in cause for words in _SHORT_WRITE_WORDS):
+        return cause
+    return f"no space left on device ({free} bytes free on the file system; torch said: {cause})"
 
 
 def _root_cause(failure: Any) -> str:
@@ -158,7 +180,14 @@ def _write_synced(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _info(model, entries: list[Entry], shards: dict, ctx, extra: Any, step: int | None) -> dict:
+def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class as module.QualName: what a checkpoint records and load compares."""
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _info(model, entries: list[Entry], shards: dict, ctx, extra: Any, step: int | None,
+          optimizer: torch.optim.Optimizer | None) -> dict:
     if step is None and isinstance(extra, dict) and isinstance(extra.get("step"), int):
         step = extra["step"]
     model_md = {e.name: {"kind": "param" if e.view is not None else "buffer",
@@ -170,7 +199,8 @@ def _info(model, entries: list[Entry], shards: dict, ctx, extra: Any, step: int 
             "backend": ctx.backend.name, "shardkit_version": __version__,
             "torch_version": torch.__version__, "step": step,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "model": model_md, "optimizer": optim_md}
+            "model": model_md, "optimizer": optim_md,
+            "optimizer_class": optimizer_class_name(optimizer) if optimizer is not None else None}
 
 
 def verify_files(ctx, directory: str, manifest: dict) -> None:
@@ -203,21 +233,36 @@ def compare_entries(what: str, expected: dict[str, tuple], found: dict[str, tupl
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module,
-         optimizer: torch.optim.Optimizer | None = None, verify: bool = True) -> Any:
-    """Collective: load a checkpoint saved at any world size/strategy into this sharding; return `extra`."""
+         optimizer: torch.optim.Optimizer | None = None, verify: bool = True,
+         strict: bool = True) -> Any:
+    """Collective: load a checkpoint saved at any world size/strategy into this sharding; return `extra`.
+
+    strict=False loads the model entries the checkpoint and the model share and leaves the rest
+    as they are (a new head on a pretrained trunk); shapes must still agree. The optimizer, when
+    given, must match the checkpoint's in every case.
+    """
     ctx = collective.context()
     directory = mf.resolve(os.fspath(path))
     manifest = mf.read_manifest(directory)
     if verify:
         verify_files(ctx, directory, manifest)
     entries = model_entries(model)
-    compare_entries(f"checkpoint {directory}", {e.name: e.shape for e in entries},
-                    {k: tuple(v["shape"]) for k, v in manifest["model"].items()})
+    expected = {e.name: e.shape for e in entries}
+    found = {k: tuple(v["shape"]) for k, v in manifest["model"].items()}
+    if strict:
+        compare_entries(f"checkpoint {directory}", expected, found)
+    else:
+        compare_entries(f"checkpoint {directory}", {k: v for k, v in expected.items() if k in found},
+                        {k: v for k, v in found.items() if k in expected})
+    if optimizer is not None:
+        check_optimizer_class(manifest, optimizer, directory)
     state = torch.load(os.path.join(directory, STATE_FILE), weights_only=True)
 
     chunks: dict[str, FlatChunk] = {}
     pending = []  # buffers that are not contiguous are read into a copy first
     for e in entries:
+        if e.name not in found:
+            continue  # strict=False: the model keeps what it has
         if e.view is not None:
             chunks[MODEL_PREFIX + e.name] = _chunk(e.view.param.data, e.view)
         else:
@@ -239,6 +284,18 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
     if optimizer is not None and optim_sd is not None:
         optimizer.load_state_dict(optim_sd)
     return state["extra"]
+
+
+def check_optimizer_class(manifest: dict, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """Refuse optimizer state saved by another optimizer class (its state keys would not fit)."""
+    saved = manifest.get("optimizer_class")  # absent in checkpoints written before it was recorded
+    mine = optimizer_class_name(optimizer)
+    if saved is not None and saved != mine:
+        raise CheckpointError(
+            f"checkpoint {directory} holds the state of a {saved} optimizer, but the optimizer "
+            f"given to load() is a {mine}. HINT: build the same optimizer class as at save time, "
+            "or load the model alone (shardkit.checkpoint.load(path, model)) and start a fresh "
+            "optimizer.")
 
 
 def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: dict) -> dict:

@@ -142,7 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if req.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in extra_env.items()), shlex.join(command))
         return 0
-    env = {**os.environ, **extra_env}
+    from ..parent_death import PARENT_PID_ENV
+
+    # exec keeps this pid: the launcher's ranks see it as their parent and end with it.
+    env = {**os.environ, **extra_env, PARENT_PID_ENV: str(os.getpid())}
     sys.stdout.flush()
     sys.stderr.flush()
     if os.name == "posix":

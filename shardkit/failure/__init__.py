@@ -19,10 +19,13 @@ __all__ = ["DEFAULT_ACCELERATOR_TIMEOUT", "DEFAULT_TIMEOUT", "PEER_FAILED_EXIT",
            "stop", "watchdog_requested", "where"]
 
 TIMEOUT_ENV = "SHARDKIT_TIMEOUT"
+DEBUG_ENV = "SHARDKIT_DEBUG"
 WATCHDOG_ENV = "SHARDKIT_WATCHDOG"
 # Long enough for a slow step or a checkpoint write on one rank, short enough that a dead peer
 # never parks a job for the half hour torch's own default allows.
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=30)
+MIN_TIMEOUT_S = 1.0
+MAX_TIMEOUT_S = 30 * 24 * 3600.0
 # Accelerator jobs may legitimately keep peers waiting for minutes (a first compile or autotune
 # on one rank): the 10 minutes torch itself uses for accelerator process groups.
 DEFAULT_ACCELERATOR_TIMEOUT = datetime.timedelta(minutes=10)
@@ -32,6 +35,7 @@ DEFAULT_ACCELERATOR_TIMEOUT = datetime.timedelta(minutes=10)
 _SIGTERM_GRACE_S = 2.0
 _watchdog: Watchdog | None = None
 _previous_excepthook = None
+_parent_at_start = os.getppid()  # a SIGTERM after the parent changed came from its death
 
 
 def resolve_timeout(timeout: datetime.timedelta | float | None,
@@ -48,11 +52,15 @@ def resolve_timeout(timeout: datetime.timedelta | float | None,
         return default
     try:
         seconds = as_seconds(given)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         seconds = float("nan")
-    if not seconds > 0:
-        raise ShardkitError(f"{source} must be a positive number of seconds or a timedelta, got "
-                            f"{given!r}; e.g. shardkit.init(timeout=60) or {TIMEOUT_ENV}=60")
+    if not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:
+        raise ShardkitError(
+            f"{source} must be a number of seconds (or a timedelta) from {MIN_TIMEOUT_S:g} to "
+            f"{MAX_TIMEOUT_S:.0f} (30 days), got {given!r}; e.g. shardkit.init(timeout=60) or "
+            f"{TIMEOUT_ENV}=60. Below a second a store round trip can take longer than the "
+            "timeout; above 30 days torch's millisecond timers overflow, and 30 days is no "
+            "limit in practice")
     return datetime.timedelta(seconds=seconds)
 
 
@@ -78,8 +86,9 @@ def start(rank: int, world_size: int, timeout: datetime.timedelta, shares_proces
     process when a peer failed (its training thread may be stuck in a collective). In an
     interactive process it only reports: the stuck call then fails by the timeout and raises.
     """
-    global _watchdog, _previous_excepthook
+    global _watchdog, _previous_excepthook, _parent_at_start
     where.reset()
+    _parent_at_start = os.getppid()
     if not enabled or world_size < 2 or shares_process or _watchdog is not None:
         return
     store = default_store_client()
@@ -125,8 +134,12 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         except Exception:  # noqa: BLE001 - the store may be gone too
             failures = []
         known = "; ".join(str(f) for f in failures) or "no failed rank known here"
-        emit(f"shardkit: rank {wd.rank} was terminated (SIGTERM; a launcher does this to every "
-             f"rank once one failed: {known}); it was in {where.describe()}")
+        if not failures and os.getppid() != _parent_at_start:
+            why = "the process that launched it ended"
+        else:
+            why = f"a launcher does this to every rank once one failed: {known}"
+        emit(f"shardkit: rank {wd.rank} was terminated (SIGTERM; {why}); it was in "
+             f"{where.describe()}")
         wd.report_written.set()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)  # end by the signal, as without this handler
@@ -185,20 +198,25 @@ def on_exception(exc: BaseException) -> BaseException:
         return exc
     if raised_in_a_collective(exc):
         failures = wd.diagnose(wait=min(wd.timeout, 3.0))
+        kept = _traceback_note(exc, wd.rank)
         if failures:
             if not wd.claim_report():
                 return exc
-            message = wd.survivor_message(failures)
+            message = wd.survivor_message(failures) + kept
             emit(message)
             wd.report_written.set()
             wd.acknowledge()
             wd.linger(failures)
             return PeerFailedError(message)
+        # This rank ends because of the collective, not on its own: peers must not report its
+        # exit as a death (and blame it) while they reach the same conclusion.
+        wd.acknowledge()
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         message = (f"shardkit: a collective failed on rank {wd.rank} in {where.describe()}, and no "
-                   f"other rank failed: {exc}. HINT: the ranks probably issued different "
+                   f"other rank failed: {said}. HINT: the ranks probably issued different "
                    "collectives (run with SHARDKIT_DEBUG=1 to name the first difference), or one "
                    f"rank was busy for longer than timeout={wd.timeout:g} s (raise it with "
-                   "shardkit.init(timeout=...) or SHARDKIT_TIMEOUT)")
+                   "shardkit.init(timeout=...) or SHARDKIT_TIMEOUT)" + kept)
         emit(message)
         return ShardkitError(message)
     if wd.claim_report():
@@ -207,7 +225,41 @@ def on_exception(exc: BaseException) -> BaseException:
     return exc
 
 
+def debugging() -> bool:
+    """True when SHARDKIT_DEBUG asks for everything: full tracebacks of failed collectives too."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _traceback_note(exc: BaseException, rank: int) -> str:
+    """Keep a failed collective's traceback (dozens of lines of C++ frames) in a file; the words
+    that end the report say where, so the report stays one line unless SHARDKIT_DEBUG is set."""
+    import tempfile
+    import traceback
+
+    if debugging():
+        return ""
+    path = os.path.join(tempfile.gettempdir(), f"shardkit-rank{rank}-pid{os.getpid()}.traceback")
+    try:
+        with open(path, "w") as f:
+            f.write("".join(traceback.format_exception(exc)))
+    except OSError:
+        return " (SHARDKIT_DEBUG=1 prints the failed collective's traceback)"
+    return f" (the failed collective's traceback: {path}; SHARDKIT_DEBUG=1 prints it here)"
+
+
+def quiet(original: BaseException, replacement: BaseException) -> bool:
+    """True when `replacement` (already printed) stands for `original` and its traceback stays in its file."""
+    return replacement is not original and not debugging()
+
+
 def _excepthook(tp: type, value: BaseException, tb: Any) -> None:
     hook = _previous_excepthook or sys.__excepthook__
+    if raised_in_a_collective(value):
+        # Report first: the one line names the cause, and the collective's own traceback is
+        # mostly C++ frames that would bury it.
+        replacement = on_exception(value)
+        if not quiet(value, replacement):
+            hook(tp, value, tb)
+        return
     hook(tp, value, tb)
     on_exception(value)

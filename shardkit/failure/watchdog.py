@@ -37,6 +37,7 @@ class Failure:
 
     rank: int
     cause: str
+    posted: bool = False  # the rank posted this itself: it is alive and reading the store
 
     @override
     def __str__(self) -> str:
@@ -67,6 +68,9 @@ class Watchdog:
         self._store_errors = 0
         self._stop = threading.Event()
         self._reported = False
+        # Set once this rank posted its own failure and every survivor read it: the store's host
+        # may be gone from then on, and touching the store would only print C++ warnings.
+        self._detached = False
         # Set once this rank's report is out: a SIGTERM that lands between another path's claim
         # and its print must not end the process with nothing said.
         self.report_written = threading.Event()
@@ -111,6 +115,8 @@ class Watchdog:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval + 1)
+        if self._detached:
+            return
         try:
             self.store.add(f"{_PREFIX}hb/{self.rank}", _DONE)
             if self.hosts_store:
@@ -164,7 +170,7 @@ class Watchdog:
         for rank in self.peers:
             key = f"{_PREFIX}failed/{rank}"
             if self.store.check([key]):
-                out.append(Failure(rank, self.store.get(key).decode()))
+                out.append(Failure(rank, self.store.get(key).decode(), posted=True))
         return out
 
     def _dead_local_peers(self, cached_only: bool = False) -> list[int]:
@@ -213,6 +219,9 @@ class Watchdog:
             deadline = time.monotonic() + min(self.timeout, 3 * self.interval + 1)
             while time.monotonic() < deadline:
                 if self.store.add(f"{_PREFIX}acks", 0) >= self.world_size - 1:
+                    # Done: the store's host, which waits for this before it exits, may go now.
+                    self.store.add(f"{_PREFIX}hb/{self.rank}", _DONE)
+                    self._detached = True
                     break
                 time.sleep(self.interval / 2)
         except Exception:  # noqa: BLE001 - the store may be gone with a peer; nothing to tell
@@ -221,10 +230,17 @@ class Watchdog:
     def survivor_message(self, failures: list[Failure]) -> str:
         """The error a rank left behind by `failures` prints."""
         culprits = "; ".join(str(f) for f in failures)
+        if all(f.cause == _DIED for f in failures):
+            # Nothing was posted: a kill, an OOM kill, or a crash, which the collective library
+            # itself causes when ranks issue collectives that do not match (gloo aborts).
+            cause = ("look at the failed rank's own output (killed, out of memory, or crashed; a "
+                     "crash inside a collective can mean the ranks issued different collectives: "
+                     "SHARDKIT_DEBUG=1 names the first difference)")
+        else:
+            cause = "the failed rank's own error is the cause"
         return (f"shardkit: {culprits}. Rank {self.rank} stops too; it was in {where.describe()} "
-                f"when the failure was noticed. HINT: the failed rank's own error is the cause; "
-                f"the time to notice is bounded by timeout={self.timeout:g} s "
-                "(shardkit.init(timeout=...) or SHARDKIT_TIMEOUT)")
+                f"when the failure was noticed. HINT: {cause}; the time to notice is bounded by "
+                f"timeout={self.timeout:g} s (shardkit.init(timeout=...) or SHARDKIT_TIMEOUT)")
 
     def exit_as_survivor(self, failures: list[Failure]) -> None:
         """Print who failed and where this rank was, then end the process (it may be stuck in C++)."""
@@ -248,10 +264,11 @@ class Watchdog:
         os._exit(PEER_FAILED_EXIT)
 
     def linger(self, failures: list[Failure]) -> None:
-        """As the store's host, stay until every other survivor has reported (bounded)."""
+        """As the store's host, stay until every other survivor has reported and every rank that
+        posted its own failure has seen the reports (bounded)."""
         if not self.hosts_store:
             return
-        failed = {f.rank for f in failures}
+        failed = {f.rank for f in failures if not f.posted}
         deadline = time.monotonic() + min(self.timeout, 5.0)
         try:
             while time.monotonic() < deadline:

@@ -81,7 +81,7 @@ def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: d
     """Gather the unit (waiting on a prefetch if one is in flight) and prefetch the next ones."""
     with trace_range(unit.trace_names["pre_forward"]):
         st: ShardState = unit.state
-        where.enter(unit.name, "forward")
+        where.forward_started(unit.name, outermost=unit is st.root_unit)
         if unit is st.root_unit:
             st.on_root_pre_forward()
         st.record_pre_forward(unit)
@@ -114,6 +114,7 @@ def post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: 
                     t.register_hook(lambda grad, u=unit: _pre_backward(u))
         if unit is st.root_unit:
             st.on_root_post_forward()
+        where.forward_finished(unit.name)
         return output
 
 
