@@ -126,3 +126,19 @@ def test_spawn_with_finally_shutdown_still_names_the_cause(tmp_path, failure):
     else:
         assert "shardkit: " + OUT_OF_STEP.format(rank=1, unit="<root>") in out, out[-3000:]
         assert DEBUG_HINT in out and "died" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_shardkit_launch_with_finally_shutdown_names_the_raising_rank(tmp_path):
+    started = time.time()
+    result = subprocess.run([sys.executable, "-m", "shardkit.cli.main", "launch", "--backend",
+                             "cpu", "--nproc", "2", str(SCRIPT)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=180, env=_env(tmp_path, "raise", True))
+    ended = time.time()
+    assert result.returncode != 0
+    out = result.stdout + result.stderr
+    # The survivor's one line, not gloo's "Connection reset by peer", and no late exit of the
+    # store's host (torchrun's agent hosts it here).
+    assert RAISED in out and "Connection reset by peer" not in out, out[-4000:]
+    assert "ValueError: bad batch on rank 1" in out
+    assert ended - _failed_at(tmp_path) < 10, (ended - _failed_at(tmp_path), ended - started)
