@@ -21,6 +21,13 @@ from .sharding import register_forward_method
 from .sharding import full_shape, full_tensor, local_shard
 from .sharding.replicas import check_model_replicas as check_replicas
 from .seeding import seeded
+# Every error class the README names, importable from one place (shardkit.spawn is the function).
+from .errors import PeerFailedError
+from .spawn import SpawnError
+from .rendezvous import JobStoreError
+from .sharding.verify import CollectiveOrderError
+from .checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                                IncompleteCheckpointError, StateDictMismatchError)
 
 __all__ = [
     "API_VERSION", "Backend", "BackendNotFoundError", "BackendUnavailableError", "Capabilities",
@@ -34,5 +41,8 @@ __all__ = [
 ]
 __all__ += ["register_forward_method", "full_shape", "full_tensor", "local_shard",
             "check_replicas", "seeded"]
+__all__ += ["PeerFailedError", "SpawnError", "JobStoreError", "CollectiveOrderError",
+            "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
+            "IncompleteCheckpointError", "StateDictMismatchError"]
 
 _configure_logging()  # SHARDKIT_LOG=debug|info prints the "shardkit" logger to stderr

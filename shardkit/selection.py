@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from .backend import Backend
 from .errors import BackendNotFoundError, BackendUnavailableError, ShardkitError
+from .suggest import did_you_mean
 from .logs import logger
 from .plugin.manager import plugin_state
 
@@ -74,7 +75,8 @@ def _instance(name: str) -> Backend:
     if cls is None:
         if name in state.failures:
             raise state.failures[name].as_error()
-        raise BackendNotFoundError(f"unknown backend {name!r}. Registered backends:\n"
+        hint = did_you_mean(name, [*state.registry.names(), *state.failures])
+        raise BackendNotFoundError(f"unknown backend {name!r}{hint or '.'} Registered backends:\n"
                                    f"{describe_backends()}")
     ok, reason = _probe(cls)
     if not ok:

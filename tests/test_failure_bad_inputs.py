@@ -37,8 +37,9 @@ def test_shard_misuse_is_refused_with_what_to_do(results):
             out["device_other_type"]
         # One host device: the CPU backend maps any index to it (launchers pass LOCAL_RANK).
         assert out["device_out_of_range"] is None and out["device_int_out_of_range"] is None
-        for key, shown in (("strategy_typo", "'full_shrd'"), ("strategy_type", "3")):
-            assert out[key] == (f"ShardkitError: unknown sharding strategy {shown}; choose one of "
+        for key, shown in (("strategy_typo", "'full_shrd'; did you mean 'FULL_SHARD'?"),
+                           ("strategy_type", "3;")):
+            assert out[key] == (f"ShardkitError: unknown sharding strategy {shown} choose one of "
                                 "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD")
         assert out["string_strategy"] == "SHARD_GRAD_OP"
         assert "shard() got a model with no parameters (Sequential)" in out["zero_params"]

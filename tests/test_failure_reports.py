@@ -9,6 +9,7 @@ bounds are the failure contract (timeout plus start-up slack), not speed figures
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from shardkit.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "_report_script.py"
-TIMEOUT_S = 10
+TIMEOUT_S = 5  # short: the out-of-step cases end by the collectives' timeout
 RAISED = "shardkit: rank 1 raised ValueError: bad batch on rank 1 (in "
 OUT_OF_STEP = ("a collective failed on rank {rank} in unit '{unit}', backward, and no other rank "
                "failed: ")
@@ -141,4 +142,10 @@ def test_shardkit_launch_with_finally_shutdown_names_the_raising_rank(tmp_path):
     # store's host (torchrun's agent hosts it here).
     assert RAISED in out and "Connection reset by peer" not in out, out[-4000:]
     assert "ValueError: bad batch on rank 1" in out
+    # One story: torchrun's summary names the rank that raised (not the survivor's status 75),
+    # and the failed rank is not SIGTERMed into a second report.
+    root = out.split("Root Cause (first observed failure):", 1)[1]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: 1 ", root), out[-3000:]
+    assert "ValueError: bad batch on rank 1" in root
+    assert "was terminated (SIGTERM" not in out, out[-3000:]
     assert ended - _failed_at(tmp_path) < 10, (ended - _failed_at(tmp_path), ended - started)

@@ -202,7 +202,7 @@ def _side_by_side(commands: list[list[str]], tmp: Path) -> list[subprocess.Compl
            if not k.startswith(("TORCHELASTIC", "SHARDKIT_", "MASTER_", "RANK", "WORLD_SIZE",
                                 "LOCAL_RANK"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TEST_READY=str(tmp / "ready"),
-               TEST_STEPS="60")
+               TEST_STEPS="20")
     procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for cmd in commands]
     out = []
@@ -219,7 +219,7 @@ def train(rank):
     with shardkit.seeded(0):
         model = shardkit.shard(torch.nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(40):
+    for step in range(15):
         model(torch.full((2, 4), float(rank + 1))).sum().backward()
         opt.step(); opt.zero_grad(); time.sleep(0.05)
     return [round(v, 6) for v in shardkit.full_tensor(model.weight).flatten().tolist()]
@@ -238,14 +238,14 @@ def test_two_spawns_and_two_launches_run_side_by_side(tmp_path):
                              "cpu", "--nproc", "2", str(SCRIPT)]] * 2, tmp_path)
     assert [r.returncode for r in runs] == [0] * 4, [r.stdout[-2000:] for r in runs]
     weights = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs[:2]]
-    # The reference: the same 40 steps in this process, on the mean of the ranks' inputs (the
+    # The reference: the same 15 steps in this process, on the mean of the ranks' inputs (the
     # loss is linear in the input, so the averaged gradient is that of the mean input).
     import torch
 
     torch.manual_seed(0)
     reference = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for _ in range(40):
+    for _ in range(15):
         reference(torch.full((2, 4), 1.5)).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -254,4 +254,4 @@ def test_two_spawns_and_two_launches_run_side_by_side(tmp_path):
         for got in per_rank:
             assert got == pytest.approx(expected, abs=1e-5)
     for run in runs[2:]:
-        assert "rank 0 trained 60 steps" in run.stdout and "rank 1 trained 60 steps" in run.stdout
+        assert "rank 0 trained 20 steps" in run.stdout and "rank 1 trained 20 steps" in run.stdout

@@ -44,6 +44,7 @@ def _entry_point_origins() -> dict[str, dict[str, str]]:
 def _backend_facts(st: BackendStatus, origins: dict[str, dict[str, str]]) -> dict[str, Any]:
     """Everything `info` reports about one registered backend."""
     errors: dict[str, str] = {}
+    # By name, so a wrong SHARDKIT_BACKEND cannot stop the others from being listed.
     instance = _call(lambda: get_backend(st.name) if st.available else st.cls(), errors, "constructor")
     origin = origins.get(st.plugin, {"distribution": None, "distribution_version": None,
                                      "entry_point": None})
@@ -74,7 +75,8 @@ def collect() -> dict[str, Any]:
     try:
         default, default_error = get_backend().name, None
     except ShardkitError as exc:
-        default, default_error = None, str(exc).splitlines()[0]
+        # Its first line, without the list of backends that the table below shows in full.
+        default, default_error = None, str(exc).splitlines()[0].split(" Registered backends:")[0]
     return {
         "shardkit": __version__,
         "python": platform.python_version(),

@@ -127,6 +127,14 @@ def build_command(req: LaunchRequest) -> tuple[list[str], dict[str, str]]:
     return command, {"SHARDKIT_BACKEND": backend.name}
 
 
+def check_script(req: LaunchRequest) -> None:
+    """Refuse a script that does not exist: torchrun would start every rank only to have each fail on it."""
+    runs_a_module = any(arg.split("=")[0] in ("-m", "--module", "--no-python", "--no_python")
+                        for arg in req.launcher_args)
+    if not runs_a_module and not os.path.isfile(req.script_argv[0]):
+        raise ShardkitError(f"no such script: {req.script_argv[0]}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `shardkit launch`; returns an exit status (only when not replaced by the launcher)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -136,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(HELP)
             return 0
         command, extra_env = build_command(req)
+        if not req.dry_run:  # --dry-run only shows what would run
+            check_script(req)
     except ShardkitError as exc:
         print(f"shardkit launch: error: {exc}", file=sys.stderr)
         return 2

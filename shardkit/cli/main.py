@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
 from .._version import __version__
 from ..errors import ShardkitError
+from ..suggest import did_you_mean
 
 # name -> (module whose add_parser registers it, one-line help shown by `shardkit --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -54,19 +56,41 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown_command(argv: Sequence[str]) -> str | None:
+    """The first positional token when it names no command (argparse's own error lists no guess)."""
+    for token in argv:
+        if not token.startswith("-"):
+            return None if token in COMMANDS else token
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `shardkit` command line; return its exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    unknown = _unknown_command(argv)
+    if unknown is not None:
+        print(f"shardkit: error: unknown command {unknown!r}{did_you_mean(unknown, COMMANDS)} "
+              f"Commands: {', '.join(COMMANDS)} (shardkit --help)", file=sys.stderr)
+        return 2
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()
         return 0
     try:
-        return int(args.run(args) or 0)
+        status = int(args.run(args) or 0)
+        sys.stdout.flush()  # inside the try: a reader that left early shows up here
+        return status
     except ShardkitError as exc:
         print(f"shardkit: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # `shardkit info --json | head`: the reader has what it wanted. Point stdout at
+        # /dev/null so the interpreter's final flush does not fail again, and exit as a
+        # SIGPIPE'd command would.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13
 
 
 if __name__ == "__main__":

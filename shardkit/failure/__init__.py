@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from ..errors import PeerFailedError, ShardkitError
-from . import where
+from . import launcher_record, where
 from .watchdog import PEER_FAILED_EXIT, Failure, Watchdog, as_seconds, default_store_client, emit
 
 __all__ = ["DEFAULT_ACCELERATOR_TIMEOUT", "DEFAULT_TIMEOUT", "PEER_FAILED_EXIT", "Failure", "TIMEOUT_ENV",
@@ -204,9 +204,11 @@ def on_exception(exc: BaseException) -> BaseException:
                 return exc
             message = wd.survivor_message(failures) + kept
             emit(message)
+            launcher_record.record(message, "", failed_here=False)
             wd.report_written.set()
             wd.acknowledge()
             wd.linger(failures)
+            wd.await_posters(failures)
             return PeerFailedError(message)
         # This rank ends because of the collective, not on its own: peers must not report its
         # exit as a death (and blame it) while they reach the same conclusion.
@@ -220,9 +222,16 @@ def on_exception(exc: BaseException) -> BaseException:
         emit(message)
         return ShardkitError(message)
     if wd.claim_report():
+        launcher_record.record(f"{type(exc).__name__}: {exc}", _formatted(exc), failed_here=True)
         wd.post(f"raised {type(exc).__name__}: {exc} (in {where.describe()})")
         wd.report_written.set()  # its own traceback is the report
     return exc
+
+
+def _formatted(exc: BaseException) -> str:
+    import traceback
+
+    return "".join(traceback.format_exception(exc))
 
 
 def debugging() -> bool:

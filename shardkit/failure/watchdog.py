@@ -21,7 +21,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from . import where
+from . import launcher_record, where
 from .node import node_identity, pid_alive
 
 # The exit status of a rank that stops because another rank failed (not because of itself).
@@ -248,10 +248,13 @@ class Watchdog:
             if self._reported:
                 return
             self._reported = True
-        emit(self.survivor_message(failures))
+        message = self.survivor_message(failures)
+        emit(message)
+        launcher_record.record(message, "", failed_here=False)
         self.report_written.set()
         self.acknowledge()
         self.linger(failures)
+        self.await_posters(failures)
         if not self.may_exit:
             # The user's process: the blocked call fails by the timeout and raises there.
             self._stop.set()
@@ -277,6 +280,27 @@ class Watchdog:
                     return
                 time.sleep(self.interval / 2)
         except Exception:  # noqa: BLE001
+            pass
+
+    def await_posters(self, failures: list[Failure]) -> None:
+        """Let the ranks that posted their own failure exit before this one (bounded).
+
+        A launcher that names "the first observed failure" (torchrun) names the first process
+        to exit: that must be the failed rank, not a survivor with status 75; and a failed rank
+        still reporting must not be SIGTERMed by the launcher into a second, confusing report.
+        """
+        posters = [f.rank for f in failures if f.posted]
+        if not posters:
+            return
+        local = self._local_pids or {}
+        deadline = time.monotonic() + min(self.timeout, 5.0)
+        try:
+            while time.monotonic() < deadline:
+                if all(not pid_alive(local[r]) if r in local
+                       else self.store.add(f"{_PREFIX}hb/{r}", 0) < 0 for r in posters):
+                    return
+                time.sleep(self.interval / 4)
+        except Exception:  # noqa: BLE001 - the store went with its host: nothing left to wait for
             pass
 
     def claim_report(self) -> bool:

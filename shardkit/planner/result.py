@@ -60,6 +60,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-friendly builtins (units as a list of dicts)."""
         out = asdict(self)
+        out["param_dtype"] = self.param_dtype or None  # None: each parameter computes as stored
         out["units"] = [asdict(u) for u in self.units]
         return out
 
@@ -115,6 +116,9 @@ def _size(nbytes: float) -> str:
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
+            if unit == "B":
+                return f"{int(value)} B"
+            # 999.5-1023.x would read "1e+03" in three significant figures: whole units there.
+            return f"{value:.3g} {unit}" if abs(value) < 999.5 else f"{value:.0f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")

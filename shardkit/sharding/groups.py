@@ -31,7 +31,8 @@ def shard_group_size(strategy: ShardingStrategy, hybrid_group_size: int | None,
     if k < 1 or n % k:
         raise ShardkitError(
             f"HYBRID_SHARD needs the world size ({n}) to be a multiple of the shard group size ({k}); "
-            "HINT: pass hybrid_group_size=<a divisor of the world size> to shardkit.shard()")
+            "HINT: pass hybrid_group_size=<a divisor of the world size> to shardkit.shard() "
+            "(`shardkit plan --hybrid-group-size N` on the command line)")
     return k
 
 

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ShardkitError
+from ..suggest import did_you_mean
 
 
 class ShardingStrategy(enum.Enum):
@@ -29,7 +30,8 @@ class ShardingStrategy(enum.Enum):
                 if value.lower() in (member.value, member.name.lower()):
                     return member
         names = ", ".join(m.name for m in cls)
-        raise ShardkitError(f"unknown sharding strategy {value!r}; choose one of {names}")
+        hint = did_you_mean(value, [m.name for m in cls]) if isinstance(value, str) else ""
+        raise ShardkitError(f"unknown sharding strategy {value!r}{hint or ';'} choose one of {names}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,102 @@
+"""What a newcomer meets in the first hour (issue 18): pipes, typos, a missing script, the plan's
+numbers and the error classes the README names, each as the user sees it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardkit
+
+ROOT = Path(__file__).resolve().parents[1]
+FACTORY = "_planner_models:llama2_7b_shape"
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    # From tests/, so `plan` finds the factories of tests/_planner_models.py.
+    return subprocess.run([sys.executable, "-m", "shardkit.cli.main", *args], cwd=ROOT / "tests",
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("args", [("info", "--json"), ("plan", FACTORY, "--world-size", "2",
+                                                       "--json")])
+def test_a_closed_pipe_ends_the_command_quietly(args):
+    # What `shardkit info --json | head -1` does: the reader is gone before the output is written.
+    proc = subprocess.Popen([sys.executable, "-m", "shardkit.cli.main", *args], cwd=ROOT / "tests",
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert proc.returncode in (0, 141), (proc.returncode, err)
+
+
+def test_typos_get_a_suggestion():
+    with pytest.raises(shardkit.BackendNotFoundError, match=r"unknown backend 'cdua'; did you "
+                                                            r"mean 'cuda'\?"):
+        shardkit.get_backend("cdua")
+    with pytest.raises(shardkit.ShardkitError, match=r"unknown sharding strategy 'FULL_SHRAD'; "
+                                                     r"did you mean 'FULL_SHARD'\?"):
+        shardkit.ShardingStrategy.parse("FULL_SHRAD")
+    out = _cli("infoo")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "shardkit: error: unknown command 'infoo'; did you mean 'info'? Commands: info, launch, "
+        "consolidate, inspect, demo, plan (shardkit --help)")
+
+
+def test_a_wrong_backend_in_the_environment_still_lists_every_backend():
+    out = _cli("info", env={"SHARDKIT_BACKEND": "cdua"})
+    text = out.stdout + out.stderr
+    for name in ("cpu", "cuda", "xpu", "xla"):
+        assert f"{name}" in text, text
+    assert "SHARDKIT_BACKEND='cdua'" in text and "did you mean 'cuda'?" in text, text
+
+
+def test_launch_refuses_a_script_that_does_not_exist_in_one_line(tmp_path):
+    out = _cli("launch", "--backend", "cpu", "--nproc", "2", str(tmp_path / "missing.py"))
+    assert out.returncode == 2
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert lines == [f"shardkit launch: error: no such script: {tmp_path / 'missing.py'}"], lines
+
+
+def test_plan_sizes_just_under_a_gib_read_as_mib_and_json_has_no_empty_dtype():
+    from shardkit.planner.result import _size
+
+    assert _size(999.4 * 2**20) == "999 MiB"
+    assert _size(1000 * 2**20) == "1000 MiB"
+    assert _size(1023.4 * 2**20) == "1023 MiB"
+    assert _size(1024 * 2**20) == "1 GiB"
+    assert _size(1.5 * 2**30) == "1.5 GiB"
+    import json
+
+    out = _cli("plan", FACTORY, "--world-size", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["param_dtype"] is None
+
+
+def test_a_hybrid_hint_names_the_cli_flag_too():
+    out = _cli("plan", FACTORY, "--world-size", "4", "--strategy",
+               "HYBRID_SHARD", "--hybrid-group-size", "3")
+    assert out.returncode == 1
+    assert "--hybrid-group-size" in out.stderr, out.stderr
+
+
+def test_every_error_class_the_readme_names_is_importable_from_shardkit():
+    from shardkit import (BackendNotFoundError, BackendUnavailableError,  # noqa: F401
+                          CheckpointError, CheckpointNotFoundError, CollectiveOrderError,
+                          CorruptCheckpointError, IncompleteCheckpointError, JobStoreError,
+                          PeerFailedError, PluginLoadError, ShardkitError, SpawnError,
+                          StateDictMismatchError, UnsupportedOperationError)
+
+    for cls in (SpawnError, CollectiveOrderError, CheckpointError, JobStoreError):
+        assert issubclass(cls, ShardkitError) and cls.__name__ in shardkit.__all__
+    readme = (ROOT / "README.md").read_text()
+    for name in ("SpawnError", "CollectiveOrderError", "CheckpointNotFoundError", "CheckpointError",
+                 "PeerFailedError"):
+        assert name in readme
