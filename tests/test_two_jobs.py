@@ -150,7 +150,9 @@ def test_a_stopped_rank_is_named_with_default_settings_through_finally_shutdown(
         os.kill(job[1].proc.pid, signal.SIGCONT)
     out = job[0].text()
     assert code == 75, out
-    assert 25 < job[0].ended - stopped < 45, (job[0].ended - stopped, out)
+    # About 30 s (the default timeout) after the stop; before, shutdown() also waited 10 s for
+    # the stopped peer as the store's host (40.8 s measured).
+    assert 25 < job[0].ended - stopped < 37, (job[0].ended - stopped, out)
     last = out.strip().splitlines()[-1]
     assert "rank 1 stopped responding (no heartbeat" in last, out
     assert out.startswith("shardkit: rank 1 stopped responding"), out
