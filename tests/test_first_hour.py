@@ -100,3 +100,16 @@ def test_every_error_class_the_readme_names_is_importable_from_shardkit():
     for name in ("SpawnError", "CollectiveOrderError", "CheckpointNotFoundError", "CheckpointError",
                  "PeerFailedError"):
         assert name in readme
+
+
+def test_demo_without_scikit_learn_says_so_in_one_line_before_starting_ranks(tmp_path):
+    # A stand-in package that fails to import the way a missing scikit-learn does.
+    (tmp_path / "sklearn").mkdir()
+    (tmp_path / "sklearn" / "__init__.py").write_text(
+        "raise ImportError(\"No module named 'sklearn'\")\n")
+    out = _cli("demo", "--epochs", "1", env={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 1
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert lines == ["shardkit: error: the demo trains on scikit-learn's bundled digits, but "
+                     "scikit-learn is not installed. HINT: pip install 'shardkit[examples]' "
+                     "(from a clone: pip install '.[examples]')"], lines

@@ -6,6 +6,7 @@ import argparse
 import time
 
 from ..cli.args import positive_int
+from .data import require_scikit_learn
 from .memory import memory_report
 from .models import MODELS
 from .train import DEFAULT_LR, PRECISIONS, DemoConfig, run_demo
@@ -66,6 +67,7 @@ def summary(results: list[dict], seconds: float) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the demo from parsed flags and print its summary; return the exit code."""
     cfg = config_from_args(args)
+    require_scikit_learn()  # one line here, not each rank's chained traceback after spawning
     print(f"shardkit demo: {cfg.model} on digits 28x28, {cfg.nproc} ranks, {cfg.strategy}, "
           f"{cfg.epochs} epochs, batch {cfg.batch_size}/rank, {cfg.optimizer}, "
           f"mixed precision {cfg.mixed_precision}", flush=True)

@@ -26,12 +26,20 @@ class Digits:
         return int(self.labels.numel())
 
 
-def _load_raw() -> tuple[torch.Tensor, torch.Tensor]:
+def require_scikit_learn() -> None:
+    """Raise the install hint now, before any rank starts, when scikit-learn is missing."""
     try:
-        from sklearn.datasets import load_digits
+        import sklearn.datasets  # noqa: F401
     except ImportError as exc:
         raise ShardkitError("the demo trains on scikit-learn's bundled digits, but scikit-learn is "
-                            "not installed. HINT: pip install 'shardkit[examples]'") from exc
+                            "not installed. HINT: pip install 'shardkit[examples]' (from a clone: "
+                            "pip install '.[examples]')") from exc
+
+
+def _load_raw() -> tuple[torch.Tensor, torch.Tensor]:
+    require_scikit_learn()
+    from sklearn.datasets import load_digits
+
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     return images, torch.tensor(digits.target, dtype=torch.long)
