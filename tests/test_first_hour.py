@@ -113,3 +113,14 @@ def test_demo_without_scikit_learn_says_so_in_one_line_before_starting_ranks(tmp
     assert lines == ["shardkit: error: the demo trains on scikit-learn's bundled digits, but "
                      "scikit-learn is not installed. HINT: pip install 'shardkit[examples]' "
                      "(from a clone: pip install '.[examples]')"], lines
+
+
+def test_the_demo_offers_only_models_it_can_train_and_shows_every_default():
+    out = _cli("demo", "--help")
+    assert out.returncode == 0
+    assert "--model {shallow,deep,mlp}" in out.stdout and "gpt" not in out.stdout
+    for flag in ("--nproc", "--strategy", "--model", "--epochs", "--mixed-precision",
+                 "--batch-size", "--optimizer", "--seed"):
+        section = out.stdout.split(f"  {flag}", 1)[1].split("\n  --", 1)[0]
+        assert "(default: " in section, (flag, section)
+    assert _cli("demo", "--model", "gpt-tiny").returncode == 2  # refused by the parser

@@ -8,7 +8,7 @@ import time
 from ..cli.args import positive_int
 from .data import require_scikit_learn
 from .memory import memory_report
-from .models import MODELS
+from .models import IMAGE_MODELS
 from .train import DEFAULT_LR, PRECISIONS, DemoConfig, run_demo
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -24,17 +24,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "train loss, test accuracy and each rank's memory.")
     p.add_argument("--backend", default=None,
                    help="backend name (default: the best available one, see `shardkit info`)")
-    p.add_argument("--nproc", type=positive_int, default=d.nproc, help="number of local ranks")
-    p.add_argument("--strategy", default=d.strategy, type=str.upper, choices=STRATEGIES)
-    p.add_argument("--model", default=d.model, choices=sorted(MODELS),
-                   help="shallow: 1.2M params; deep: 94M params (slow on CPU); mlp: 4.8M")
-    p.add_argument("--epochs", type=positive_int, default=d.epochs)
-    p.add_argument("--mixed-precision", default=d.mixed_precision, choices=sorted(PRECISIONS))
-    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="per rank")
-    p.add_argument("--optimizer", default=d.optimizer, choices=sorted(DEFAULT_LR))
+    p.add_argument("--nproc", type=positive_int, default=d.nproc,
+                   help=f"number of local ranks (default: {d.nproc})")
+    p.add_argument("--strategy", default=d.strategy, type=str.upper, choices=STRATEGIES,
+                   help=f"how parameters, gradients and optimizer state are split (default: "
+                        f"{d.strategy})")
+    p.add_argument("--model", default=d.model, choices=IMAGE_MODELS,
+                   help=f"shallow: 1.2M params; deep: 94M params (slow on CPU); mlp: 4.8M "
+                        f"(default: {d.model})")
+    p.add_argument("--epochs", type=positive_int, default=d.epochs,
+                   help=f"passes over the training images (default: {d.epochs})")
+    p.add_argument("--mixed-precision", default=d.mixed_precision, choices=sorted(PRECISIONS),
+                   help=f"compute dtype; the sharded weights stay float32 (default: "
+                        f"{d.mixed_precision})")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
+                   help=f"images per rank per step (default: {d.batch_size})")
+    p.add_argument("--optimizer", default=d.optimizer, choices=sorted(DEFAULT_LR),
+                   help=f"(default: {d.optimizer})")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate (default: 1.0 for adadelta, 1e-3 for adamw)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help=f"seed for the model and the data order (default: {d.seed})")
     p.add_argument("--threads-per-rank", type=positive_int, default=None,
                    help="compute threads per rank (default: cores / nproc)")
     p.add_argument("--limit-train", type=positive_int, default=None,
