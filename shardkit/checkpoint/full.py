@@ -100,12 +100,7 @@ def load_full_state_dict(model: torch.nn.Module, source: Any, strict: bool = Tru
     shapes, get = read_full_source(source)
     entries = model_entries(model)
     expected = {e.name: e.shape for e in entries}
-    if strict:
-        compare_entries(f"full state dict {_describe(source)}", expected, shapes)
-    else:
-        compare_entries(f"full state dict {_describe(source)}",
-                        {k: v for k, v in expected.items() if k in shapes},
-                        {k: v for k, v in shapes.items() if k in expected})
+    compare_entries(f"full state dict {_describe(source)}", expected, shapes, strict)
     with torch.no_grad():
         for e in entries:
             if e.name not in shapes:

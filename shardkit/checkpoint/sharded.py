@@ -222,8 +222,13 @@ def verify_files(ctx, directory: str, manifest: dict) -> None:
             "\nHINT: the files were truncated or corrupted after the save; load another checkpoint.")
 
 
-def compare_entries(what: str, expected: dict[str, tuple], found: dict[str, tuple]) -> None:
-    """Raise StateDictMismatchError listing missing, unexpected and differently shaped names."""
+def compare_entries(what: str, expected: dict[str, tuple], found: dict[str, tuple],
+                    strict: bool = True) -> None:
+    """Raise StateDictMismatchError listing missing, unexpected and differently shaped names
+    (strict=False: only names both have are compared, by shape)."""
+    if not strict:
+        expected = {k: v for k, v in expected.items() if k in found}
+        found = {k: v for k, v in found.items() if k in expected}
     missing = set(expected) - set(found)
     unexpected = set(found) - set(expected)
     mismatched = [f"{k}: source {list(found[k])} vs model {list(expected[k])}"
@@ -249,11 +254,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
     entries = model_entries(model)
     expected = {e.name: e.shape for e in entries}
     found = {k: tuple(v["shape"]) for k, v in manifest["model"].items()}
-    if strict:
-        compare_entries(f"checkpoint {directory}", expected, found)
-    else:
-        compare_entries(f"checkpoint {directory}", {k: v for k, v in expected.items() if k in found},
-                        {k: v for k, v in found.items() if k in expected})
+    compare_entries(f"checkpoint {directory}", expected, found, strict)
     if optimizer is not None:
         check_optimizer_class(manifest, optimizer, directory)
     state = torch.load(os.path.join(directory, STATE_FILE), weights_only=True)

@@ -32,12 +32,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _first_positional(argv: Sequence[str]) -> str | None:
+    """The first token not starting with '-': the command the user named, known or not."""
+    return next((token for token in argv if not token.startswith("-")), None)
+
+
 def _chosen_command(argv: Sequence[str]) -> str | None:
-    """Return the subcommand named in `argv` (the first token not starting with '-'), if known."""
-    for token in argv:
-        if not token.startswith("-"):
-            return token if token in COMMANDS else None
-    return None
+    """Return the subcommand named in `argv`, if it is one."""
+    token = _first_positional(argv)
+    return token if token in COMMANDS else None
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
@@ -56,20 +59,12 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
-def _unknown_command(argv: Sequence[str]) -> str | None:
-    """The first positional token when it names no command (argparse's own error lists no guess)."""
-    for token in argv:
-        if not token.startswith("-"):
-            return None if token in COMMANDS else token
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `shardkit` command line; return its exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    unknown = _unknown_command(argv)
-    if unknown is not None:
-        print(f"shardkit: error: unknown command {unknown!r}{did_you_mean(unknown, COMMANDS)} "
+    named = _first_positional(argv)
+    if named is not None and named not in COMMANDS:  # argparse's own error offers no guess
+        print(f"shardkit: error: unknown command {named!r}{did_you_mean(named, COMMANDS)} "
               f"Commands: {', '.join(COMMANDS)} (shardkit --help)", file=sys.stderr)
         return 2
     parser = build_parser(argv)

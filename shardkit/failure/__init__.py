@@ -10,6 +10,7 @@ import sys
 import threading
 from typing import Any
 
+from ..env_flags import env_flag
 from ..errors import PeerFailedError, ShardkitError
 from . import launcher_record, where
 from .watchdog import PEER_FAILED_EXIT, Failure, Watchdog, as_seconds, default_store_client, emit
@@ -70,7 +71,7 @@ def watchdog_requested(watchdog: bool | None) -> bool:
         if not isinstance(watchdog, bool):
             raise ShardkitError(f"watchdog must be True, False or None, got {watchdog!r}")
         return watchdog
-    return os.environ.get(WATCHDOG_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag(WATCHDOG_ENV, default=True)
 
 
 def interactive() -> bool:
@@ -236,21 +237,20 @@ def _formatted(exc: BaseException) -> str:
 
 def debugging() -> bool:
     """True when SHARDKIT_DEBUG asks for everything: full tracebacks of failed collectives too."""
-    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return env_flag(DEBUG_ENV)
 
 
 def _traceback_note(exc: BaseException, rank: int) -> str:
     """Keep a failed collective's traceback (dozens of lines of C++ frames) in a file; the words
     that end the report say where, so the report stays one line unless SHARDKIT_DEBUG is set."""
     import tempfile
-    import traceback
 
     if debugging():
         return ""
     path = os.path.join(tempfile.gettempdir(), f"shardkit-rank{rank}-pid{os.getpid()}.traceback")
     try:
         with open(path, "w") as f:
-            f.write("".join(traceback.format_exception(exc)))
+            f.write(_formatted(exc))
     except OSError:
         return " (SHARDKIT_DEBUG=1 prints the failed collective's traceback)"
     return f" (the failed collective's traceback: {path}; SHARDKIT_DEBUG=1 prints it here)"

@@ -27,8 +27,8 @@ def forward_started(unit: str, outermost: bool) -> None:
 
 def forward_finished(unit: str) -> None:
     """Record that `unit`'s forward returned: the rank is in the enclosing unit again, or past the model."""
-    if unit in _forward_stack:
-        del _forward_stack[len(_forward_stack) - 1 - _forward_stack[::-1].index(unit):]
+    while _forward_stack and _forward_stack.pop() != unit:
+        pass  # forwards nest: `unit` is the innermost (anything above it never finished)
     if _where[1] != "forward":
         return  # a recompute inside backward (activation checkpointing): backward says where
     if _forward_stack:

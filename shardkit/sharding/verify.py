@@ -12,12 +12,12 @@ itself: no wrapper, no cost.
 from __future__ import annotations
 
 import datetime
-import os
 from typing import Any
 
 import torch
 
 from ..backend import Backend
+from ..env_flags import env_flag
 from ..errors import ShardkitError
 from ..failure import where
 from ..failure.watchdog import default_store_client
@@ -41,7 +41,7 @@ def requested(verify: bool | None) -> bool:
     """True when shard(verify=...) or, if that is None, SHARDKIT_DEBUG asks for verification."""
     if verify is not None:
         return bool(verify)
-    return os.environ.get(ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return env_flag(ENV)
 
 
 def maybe_wrap(backend: Backend, verify: bool | None, timeout: datetime.timedelta) -> Backend:
