@@ -17,6 +17,7 @@ import shardkit
 from fake_plugin_site import subprocess_env
 from shardkit import Backend, hookimpl
 from shardkit.cli.main import main
+from shardkit.install_hint import pip_install_extra
 
 BUILTINS = ("cpu", "cuda", "xpu", "xla")
 
@@ -79,7 +80,7 @@ def test_info_json_describes_every_backend(fresh_plugins: None, capsys: pytest.C
             assert isinstance(b["device_count"], int) and b["device_count"] >= 1
         else:
             assert b["reason"] and b["device_count"] is None
-            assert f"pip install 'shardkit[{name}]'" in b["hint"]
+            assert pip_install_extra(name) in b["hint"]
     cpu = backends["cpu"]
     assert (cpu["device_count"], cpu["process_group_backend"], cpu["priority"]) == (1, "gloo", 0)
     assert cpu["versions"] == {"torch": torch.__version__}

@@ -12,6 +12,7 @@ import pytest
 
 import shardkit
 from shardkit import Backend
+from shardkit.install_hint import pip_install_extra
 from shardkit_backends.cpu import CPUBackend
 
 from _failure_workers import bad_inputs
@@ -30,7 +31,7 @@ def test_shard_misuse_is_refused_with_what_to_do(results):
         assert "- cpu: available" in out["unknown_backend"]
         assert out["backend_not_installed"].startswith(
             "BackendUnavailableError: backend 'xpu' is not available")
-        assert "HINT: pip install 'shardkit[xpu]'" in out["backend_not_installed"]
+        assert f"HINT: {pip_install_extra('xpu')}" in out["backend_not_installed"]
         assert out["device_float"] == ("ShardkitError: device_id must be None, an int, a string "
                                        "or a torch.device, got float")
         assert "device_id 'xpu:0' is a 'xpu' device but the 'cpu' backend runs on 'cpu'" in \

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import shardkit
+from shardkit.install_hint import pip_install_extra
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORY = "_planner_models:llama2_7b_shape"
@@ -111,8 +112,7 @@ def test_demo_without_scikit_learn_says_so_in_one_line_before_starting_ranks(tmp
     assert out.returncode == 1
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert lines == ["shardkit: error: the demo trains on scikit-learn's bundled digits, but "
-                     "scikit-learn is not installed. HINT: pip install 'shardkit[examples]' "
-                     "(from a clone: pip install '.[examples]')"], lines
+                     f"scikit-learn is not installed. HINT: {pip_install_extra('examples')}"], lines
 
 
 def test_the_demo_offers_only_models_it_can_train_and_shows_every_default():

@@ -41,7 +41,8 @@ def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 # ---- splitting the command line (no processes) --------------------------------------------------
-def test_dry_run_shows_torchrun_with_launcher_options_and_untouched_script_args(capsys):
+def test_dry_run_shows_torchrun_with_launcher_options_and_untouched_script_args(capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice: shardkit adds nothing
     argv = ["--backend", "cpu", "--nproc", "2", "--dry-run", "--nnodes", "2", "--node-rank=1",
             "--master-addr", "127.0.0.1", "--master-port", "1234", "--standalone", "train.py",
             "--nproc", "9", "--backend", "gpu", "-x"]
@@ -59,10 +60,18 @@ def test_double_dash_separates_the_script():
     assert (req.nproc, req.launcher_args, req.script_argv) == ("3", [], ["-weird-script.py", "--a"])
 
 
-def test_cpu_defaults_to_one_rank_per_node():
+def test_cpu_defaults_to_one_rank_per_node(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
     command, env = launch.build_command(launch.split_argv(["--backend", "cpu", "t.py"]))
     assert "--nproc-per-node=1" in command and command[-1] == "t.py"
     assert env == {"SHARDKIT_BACKEND": "cpu"}
+
+
+def test_threads_per_rank_split_the_usable_cores_unless_the_user_chose():
+    assert launch.thread_env(2, {}, cores=16) == {"OMP_NUM_THREADS": "8"}
+    assert launch.thread_env(3, {}, cores=16) == {"OMP_NUM_THREADS": "5"}
+    assert launch.thread_env(4, {}, cores=2) == {"OMP_NUM_THREADS": "1"}
+    assert launch.thread_env(2, {"OMP_NUM_THREADS": "7"}, cores=16) == {}
 
 
 @pytest.mark.parametrize("argv, message", [

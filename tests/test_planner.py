@@ -17,6 +17,7 @@ from torch import nn
 
 import shardkit
 from shardkit.cli.main import main
+from shardkit.install_hint import pip_install_extra
 from shardkit.sharding.layout import shard_layout
 
 from _planner_models import LLAMA2_7B, LLAMA2_7B_PARAMS, LlamaShapedLayer, llama2_7b_shape
@@ -272,7 +273,7 @@ def test_cli_bad_input(capsys, monkeypatch):
     assert "its module classes are" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     assert main(["plan", "--hf-config", "gpt2", "--world-size", "2"]) == 1
-    assert "HINT: pip install 'shardkit[hf]'" in capsys.readouterr().err
+    assert f"HINT: {pip_install_extra('hf')}" in capsys.readouterr().err
 
 
 def test_cli_hf_config_name_overrides_and_json_file(capsys, tmp_path):

@@ -11,6 +11,7 @@ from typing_extensions import override
 from shardkit import Backend, Capabilities
 from shardkit.backend import check_reduce_op
 from shardkit.handles import Group
+from shardkit.install_hint import pip_install_extra
 from shardkit.launch_env import LaunchEnv
 
 from .policy import bf16_ready, bind_device_id, exact_reduce_ops
@@ -55,7 +56,7 @@ class CUDABackend(Backend):
     @classmethod
     def requirement_hint(cls) -> str:
         """A CUDA build of torch on a machine with an NVIDIA GPU and driver."""
-        return ("pip install 'shardkit[cuda]' with a CUDA build of torch "
+        return (f"{pip_install_extra('cuda')} with a CUDA build of torch "
                 "(pip install torch --index-url https://download.pytorch.org/whl/cu128) "
                 "on a machine with an NVIDIA GPU and driver")
 

@@ -27,6 +27,7 @@ from shardkit import Backend, Capabilities
 from shardkit.backend import check_flat_sizes, check_reduce_op, copy_locally, process_memory
 from shardkit.errors import ShardkitError, UnsupportedOperationError
 from shardkit.handles import CompletedWork, Group, ReduceOp, Work
+from shardkit.install_hint import pip_install_extra
 from shardkit.launch_env import LaunchEnv
 
 from . import threads
@@ -84,7 +85,7 @@ class XLABackend(Backend):
     @classmethod
     def requirement_hint(cls) -> str:
         """torch_xla must match torch exactly."""
-        return ("pip install 'shardkit[xla]' (torch_xla needs the torch of the same version, e.g. "
+        return (f"{pip_install_extra('xla')} (torch_xla needs the torch of the same version, e.g. "
                 "torch==2.9.0 torch_xla==2.9.0) and set PJRT_DEVICE (TPU, or CPU for testing)")
 
     @override

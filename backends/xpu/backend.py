@@ -9,6 +9,7 @@ from typing_extensions import override
 
 from shardkit import Backend, Capabilities
 from shardkit.launch_env import LaunchEnv
+from shardkit.install_hint import pip_install_extra
 
 from .collectives import choose_process_group, requested_process_group
 from .runtime import TORCH_XPU_INDEX, XpuRuntime
@@ -59,7 +60,7 @@ class XPUBackend(Backend):
     @classmethod
     def requirement_hint(cls) -> str:
         """torch's XPU wheels carry both torch.xpu and xccl."""
-        return (f"pip install 'shardkit[xpu]' with torch's XPU build (pip install torch "
+        return (f"{pip_install_extra('xpu')} with torch's XPU build (pip install torch "
                 f"--index-url {TORCH_XPU_INDEX}) on a machine with an Intel GPU and driver")
 
     @override

@@ -14,7 +14,7 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..errors import ShardkitError
 
@@ -124,7 +124,26 @@ def build_command(req: LaunchRequest) -> tuple[list[str], dict[str, str]]:
         raise ShardkitError(f"--nproc must be a positive integer, got {nproc!r}")
     check_local_ranks(backend, int(nproc))
     command = backend.launch_command(nproc, req.launcher_args, req.script_argv)
-    return command, {"SHARDKIT_BACKEND": backend.name}
+    return command, {"SHARDKIT_BACKEND": backend.name, **thread_env(int(nproc), os.environ)}
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. under taskset or a container)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def thread_env(nproc: int, environ: Mapping[str, str], cores: int | None = None) -> dict[str, str]:
+    """OMP_NUM_THREADS for each rank: the user's if set, else the usable cores split among the ranks.
+
+    torchrun would set 1 and print a five-line banner on every launch; splitting the cores keeps
+    a CPU job from both oversubscribing and leaving cores idle.
+    """
+    if "OMP_NUM_THREADS" in environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (cores or usable_cores()) // nproc))}
 
 
 def check_script(req: LaunchRequest) -> None:
@@ -152,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if req.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in extra_env.items()), shlex.join(command))
         return 0
+    if "OMP_NUM_THREADS" in extra_env:
+        print(f"shardkit launch: OMP_NUM_THREADS={extra_env['OMP_NUM_THREADS']} per rank "
+              f"({usable_cores()} usable cores; set OMP_NUM_THREADS to choose)", file=sys.stderr)
     from ..parent_death import PARENT_PID_ENV
 
     # exec keeps this pid: the launcher's ranks see it as their parent and end with it.

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ShardkitError
+from ..install_hint import pip_install_extra
 
 IMAGE_SIZE = 28
 TEST_FRACTION = 0.2
@@ -32,8 +33,7 @@ def require_scikit_learn() -> None:
         import sklearn.datasets  # noqa: F401
     except ImportError as exc:
         raise ShardkitError("the demo trains on scikit-learn's bundled digits, but scikit-learn is "
-                            "not installed. HINT: pip install 'shardkit[examples]' (from a clone: "
-                            "pip install '.[examples]')") from exc
+                            f"not installed. HINT: {pip_install_extra('examples')}") from exc
 
 
 def _load_raw() -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -156,7 +155,9 @@ def train_rank(rank: int, cfg: DemoConfig) -> dict:
 
 def default_threads(nproc: int) -> int:
     """One compute thread per core share, so ranks do not oversubscribe the machine."""
-    return max(1, (os.cpu_count() or 1) // nproc)
+    from ..cli.launch import usable_cores
+
+    return max(1, usable_cores() // nproc)
 
 
 def run_demo(cfg: DemoConfig) -> list[dict]:

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from ..errors import ShardkitError
+from ..install_hint import pip_install_extra
 from ..wrap import WrapPolicy, transformer_layers
 
-HF_HINT = "HINT: pip install 'shardkit[hf]'"
 
 
 def from_factory(target: str) -> nn.Module:
@@ -53,7 +53,7 @@ def hf_config(name_or_json: str, overrides: Iterable[str] = ()) -> Any:
     try:
         from transformers import AutoConfig
     except ImportError as exc:
-        raise ShardkitError(f"--hf-config needs transformers, which is not installed; {HF_HINT}") \
+        raise ShardkitError(f"--hf-config needs transformers, which is not installed; HINT: {pip_install_extra('hf')}") \
             from exc
     if os.path.exists(name_or_json):
         path = os.path.join(name_or_json, "config.json") if os.path.isdir(name_or_json) \
