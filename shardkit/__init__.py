@@ -1,48 +1,99 @@
-"""shardkit: one sharded data-parallel engine for PyTorch that runs the same way on every accelerator."""
+"""shardkit: one sharded data-parallel engine for PyTorch that runs the same way on every accelerator.
+
+The public names resolve on first use (PEP 562), so `import shardkit` costs nothing until one is
+touched: the `shardkit` command parses its arguments and prints `--help` without importing torch
+(seconds), and a Ctrl-C while it starts is answered by the command, not by an import traceback.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
+from .errors import (BackendNotFoundError, BackendUnavailableError, PeerFailedError,
+                     PluginLoadError, ShardkitError, UnsupportedOperationError)
 from .logs import configure_from_env as _configure_logging
-from .backend import API_VERSION, Backend
-from .capabilities import Capabilities
-from .errors import (BackendNotFoundError, BackendUnavailableError, PluginLoadError,
-                     ShardkitError, UnsupportedOperationError)
-from .handles import CompletedWork, Group, NullEvent, NullStream, ReduceOp, TorchWork, Work
-from .launch_env import LaunchEnv, detect_launch_env
-from .plugin import hookimpl, hookspec
-from .plugin.manager import register_plugin
-from .runtime import DistContext, current_context, init, shutdown
-from .selection import backend_statuses, get_backend
-from .spawn import spawn
+from .checkpoint import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                         IncompleteCheckpointError, StateDictMismatchError)
+# Bound now: each shares its name with the submodule that defines it, and a later import of that
+# submodule would otherwise put the module where the function belongs. Neither imports torch.
 from .replicate import replicate
-from . import checkpoint, wrap
-from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, comm_stats, shard)
-from .planner import Plan, plan
-from .sharding import register_forward_method
-from .sharding import full_shape, full_tensor, local_shard
-from .sharding.replicas import check_model_replicas as check_replicas
-from .seeding import seeded
-# Every error class the README names, importable from one place (shardkit.spawn is the function).
-from .errors import PeerFailedError
-from .spawn import SpawnError
-from .rendezvous import JobStoreError
-from .sharding.verify import CollectiveOrderError
-from .checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                                IncompleteCheckpointError, StateDictMismatchError)
+from .spawn import SpawnError, spawn
 
+if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
+    from . import checkpoint, wrap
+    from .backend import API_VERSION, Backend
+    from .capabilities import Capabilities
+    from .handles import CompletedWork, Group, NullEvent, NullStream, ReduceOp, TorchWork, Work
+    from .launch_env import LaunchEnv, detect_launch_env
+    from .planner import Plan, plan
+    from .plugin import hookimpl, hookspec
+    from .plugin.manager import register_plugin
+    from .rendezvous import JobStoreError
+    from .runtime import DistContext, current_context, init, shutdown
+    from .seeding import seeded
+    from .selection import backend_statuses, get_backend
+    from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, full_shape,
+                           full_tensor, local_shard, register_forward_method, shard)
+    from .sharding.replicas import check_model_replicas as check_replicas
+    from .sharding.verify import CollectiveOrderError
+    # The function: mypy also counts sharding's comm_stats module as a binding of this name.
+    from .sharding import comm_stats  # type: ignore[no-redef]
+
+# public name -> (module, attribute in it); tests/test_cli_startup.py checks it against the block above
+_LAZY: dict[str, tuple[str, str]] = {
+    **{name: (".backend", name) for name in ("API_VERSION", "Backend")},
+    "Capabilities": (".capabilities", "Capabilities"),
+    **{name: (".handles", name) for name in ("CompletedWork", "Group", "NullEvent", "NullStream",
+                                             "ReduceOp", "TorchWork", "Work")},
+    **{name: (".launch_env", name) for name in ("LaunchEnv", "detect_launch_env")},
+    **{name: (".planner", name) for name in ("Plan", "plan")},
+    **{name: (".plugin", name) for name in ("hookimpl", "hookspec")},
+    "register_plugin": (".plugin.manager", "register_plugin"),
+    "JobStoreError": (".rendezvous", "JobStoreError"),
+    **{name: (".runtime", name) for name in ("DistContext", "current_context", "init", "shutdown")},
+    "seeded": (".seeding", "seeded"),
+    **{name: (".selection", name) for name in ("backend_statuses", "get_backend")},
+    **{name: (".sharding", name) for name in (
+        "MixedPrecision", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "full_shape",
+        "full_tensor", "local_shard", "register_forward_method", "shard")},
+    "check_replicas": (".sharding.replicas", "check_model_replicas"),
+    "CollectiveOrderError": (".sharding.verify", "CollectiveOrderError"),
+    "checkpoint": (".checkpoint", ""),
+    "wrap": (".wrap", ""),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines a public name the first time the name is used."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    module = import_module(module_name, __name__)
+    value = getattr(module, attribute) if attribute else module
+    globals()[name] = value  # later uses are plain attribute lookups
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public names, resolved or not (for tab completion)."""
+    return sorted(set(globals()) | set(_LAZY))
+
+
+# Every public name, bound above or resolved by __getattr__ (tests/test_cli_startup.py checks).
 __all__ = [
-    "API_VERSION", "Backend", "BackendNotFoundError", "BackendUnavailableError", "Capabilities",
-    "CompletedWork", "DistContext", "Group", "LaunchEnv", "NullEvent", "NullStream",
-    "PluginLoadError", "ReduceOp", "ShardkitError", "TorchWork", "UnsupportedOperationError",
-    "Work", "__version__", "backend_statuses", "current_context", "detect_launch_env",
-    "get_backend", "hookimpl", "hookspec", "init", "register_plugin",
-    "shutdown", "spawn", "replicate",
-    "MixedPrecision", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "shard", "wrap",
-    "checkpoint", "Plan", "plan",
+    "API_VERSION", "Backend", "BackendNotFoundError", "BackendUnavailableError",
+    "Capabilities", "CheckpointError", "CheckpointNotFoundError", "CollectiveOrderError",
+    "CompletedWork", "CorruptCheckpointError", "DistContext", "Group",
+    "IncompleteCheckpointError", "JobStoreError", "LaunchEnv", "MixedPrecision", "NullEvent",
+    "NullStream", "PeerFailedError", "Plan", "PluginLoadError", "ReduceOp", "ShardingStrategy",
+    "ShardkitError", "SpawnError", "StateDictMismatchError", "TorchWork",
+    "UnsupportedOperationError", "Work", "__version__", "backend_statuses", "check_replicas",
+    "checkpoint", "clip_grad_norm_", "comm_stats", "current_context", "detect_launch_env",
+    "full_shape", "full_tensor", "get_backend", "hookimpl", "hookspec", "init", "local_shard",
+    "plan", "register_forward_method", "register_plugin", "replicate", "seeded", "shard",
+    "shutdown", "spawn", "wrap",
 ]
-__all__ += ["register_forward_method", "full_shape", "full_tensor", "local_shard",
-            "check_replicas", "seeded"]
-__all__ += ["PeerFailedError", "SpawnError", "JobStoreError", "CollectiveOrderError",
-            "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
-            "IncompleteCheckpointError", "StateDictMismatchError"]
 
 _configure_logging()  # SHARDKIT_LOG=debug|info prints the "shardkit" logger to stderr

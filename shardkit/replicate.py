@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported on the first call: `import shardkit` stays cheap
+    import torch
 
-from .backend import Backend
-from .runtime import require_context
+    from .backend import Backend
 
 
 def replicate(model: torch.nn.Module, backend: str | Backend | None = None,
@@ -19,6 +19,8 @@ def replicate(model: torch.nn.Module, backend: str | Backend | None = None,
     Initialises shardkit from the launcher's environment if nobody has yet.
     """
     from torch.nn.parallel import DistributedDataParallel
+
+    from .runtime import require_context
 
     ctx = require_context(backend)
     model = model.to(ctx.device)

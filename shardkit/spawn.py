@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -10,7 +11,7 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from typing_extensions import override
 
@@ -128,17 +129,13 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | Backen
         results = get_backend(backend).spawn_ranks(_rank_body, nprocs, (fn, backend, args))
         if results is not None:
             return results
-    import torch.multiprocessing as mp
-
     from .failure import DEFAULT_ACCELERATOR_TIMEOUT, resolve_timeout
 
     grace = resolve_timeout(timeout, DEFAULT_ACCELERATOR_TIMEOUT).total_seconds() + 15.0
     with tempfile.TemporaryDirectory(prefix="shardkit-spawn-") as result_dir:
         caller = _CallerState(dict(os.environ)) if method == "forkserver" else None
-        context = mp.start_processes(_rank_main, nprocs=nprocs, join=False, start_method=method,
-                                     args=(fn, nprocs, free_port(), backend, args,
-                                           threads_per_rank, result_dir, timeout, caller,
-                                           os.getpid()))
+        context = _start_ranks(method, (fn, nprocs, free_port(), backend, args, threads_per_rank,
+                                        result_dir, timeout, caller, os.getpid()))
         _join(context.processes, grace, result_dir)
         out = []
         for rank in range(nprocs):
@@ -148,6 +145,41 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | Backen
 
 
 START_METHODS = ("forkserver", "spawn")
+
+
+def _start_ranks(method: str, rank_args: tuple) -> Any:
+    """Start the rank processes (ignoring Ctrl-C, see below) and return torch's process context."""
+    import torch.multiprocessing as mp
+
+    def start() -> Any:
+        return mp.start_processes(_rank_main, nprocs=rank_args[1], join=False, start_method=method,
+                                  args=rank_args)
+
+    if method != "forkserver":
+        with _ctrl_c_left_to_caller():
+            return start()
+    from multiprocessing import forkserver
+
+    with _ctrl_c_left_to_caller():  # ranks fork from the server and inherit what it started with
+        forkserver.ensure_running()
+    return start()  # the caller keeps Ctrl-C while the server imports torch
+
+
+@contextlib.contextmanager
+def _ctrl_c_left_to_caller() -> Iterator[None]:
+    """Start processes that ignore SIGINT: Ctrl-C reaches the whole terminal group, and the caller
+    alone answers it (its KeyboardInterrupt stops every rank), instead of each rank and the
+    forkserver, halfway through importing torch, printing a traceback of its own."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be changed from the main thread
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited through fork and exec
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _start_method(requested: str | None) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from .safetensors_io import DEFAULT_MAX_SHARD_SIZE
+# safetensors_io.DEFAULT_MAX_SHARD_SIZE, spelled out so that parsing needs no torch (tested equal).
+MAX_SHARD_SIZE_DEFAULT = "5GB"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -17,7 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "one tensor at a time; needs no process group or accelerator.")
     p.add_argument("checkpoint", metavar="CKPT_DIR")
     p.add_argument("out", metavar="OUT", help="output directory")
-    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+    p.add_argument("--max-shard-size", default=MAX_SHARD_SIZE_DEFAULT,
                    help="largest file, e.g. 5GB or 500MiB (default: %(default)s)")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the inputs")
     p.set_defaults(run=_consolidate)

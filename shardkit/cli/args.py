@@ -11,3 +11,19 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     return value
+
+
+# ShardingStrategy's names, spelled out so that parsing needs no torch (a test keeps them equal).
+STRATEGY_NAMES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+
+# The environment variables a user reaches for most, for --help epilogs (README's Settings has all).
+ENVIRONMENT_HELP = """environment:
+  SHARDKIT_LOG=info|debug   print what shardkit decides (backend, units, sizes; debug: every
+                            collective) to stderr; -v / -vv set it for one command
+  SHARDKIT_DEBUG=1          check before every collective that all ranks issue the same one
+  SHARDKIT_TIMEOUT=SECONDS  how long a rank waits on a silent or failed peer (default 30 s on
+                            cpu, 10 minutes on accelerators)
+  SHARDKIT_BACKEND=NAME     the backend to use (see `shardkit info`)
+  SHARDKIT_WATCHDOG=0       no per-rank watchdog; failures surface only as collective timeouts
+  MASTER_ADDR, MASTER_PORT  rendezvous of hand-made launches (default 127.0.0.1:29500)
+more: the Settings section of README.md"""

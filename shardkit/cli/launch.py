@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ..errors import ShardkitError
+from .args import ENVIRONMENT_HELP
 
 USAGE = ("usage: shardkit launch [--backend NAME] [--nproc N] [--dry-run] [torchrun options] "
          "script.py [script args]")
@@ -29,11 +30,15 @@ shardkit options:
   --nproc N            ranks per node (default: the backend's device count, 1 on cpu);
                        also accepted as --nproc-per-node / --nproc_per_node
   --dry-run            print the command and environment instead of running them
+  -v, -vv              every rank logs what shardkit decides (SHARDKIT_LOG=info; -vv: debug)
   -h, --help           this help
 
 Any other option before the script is a torchrun option and is passed through, e.g.
   --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500
 (see: python -m torch.distributed.run --help). Arguments after the script go to the script.
+OMP_NUM_THREADS, unless set, becomes the usable cores divided by the ranks per node.
+
+{ENVIRONMENT_HELP}
 """
 NPROC_FLAGS = ("--nproc", "--nproc-per-node", "--nproc_per_node")
 
@@ -46,6 +51,7 @@ class LaunchRequest:
     nproc: str | None = None
     dry_run: bool = False
     help: bool = False
+    verbose: int = 0
     launcher_args: list[str] = field(default_factory=list)
     script_argv: list[str] = field(default_factory=list)
 
@@ -61,7 +67,7 @@ def _torchrun_value_options() -> dict[str, bool]:
 def split_argv(argv: Sequence[str]) -> LaunchRequest:
     """Split `argv` at the script: shardkit options, torchrun options (with their values), script and args."""
     req = LaunchRequest()
-    known = _torchrun_value_options()
+    known: dict[str, bool] = {}  # torchrun's options, read (importing torch) only when one appears
     args = list(argv)
     i = 0
     while i < len(args):
@@ -81,6 +87,10 @@ def split_argv(argv: Sequence[str]) -> LaunchRequest:
             req.dry_run = True
             i += 1
             continue
+        if name in ("-v", "-vv", "--verbose"):  # shardkit's, as in `shardkit -v launch`
+            req.verbose += 2 if name == "-vv" else 1
+            i += 1
+            continue
         if name in ("--backend", *NPROC_FLAGS):
             if has_inline:
                 value = inline
@@ -94,6 +104,7 @@ def split_argv(argv: Sequence[str]) -> LaunchRequest:
                 req.nproc = value
             i += 1
             continue
+        known = known or _torchrun_value_options()
         if name not in known:
             raise ShardkitError(f"unknown launcher option {name!r}. shardkit launch takes its own "
                                 "options (--backend, --nproc, --dry-run) and torchrun's "
@@ -124,7 +135,10 @@ def build_command(req: LaunchRequest) -> tuple[list[str], dict[str, str]]:
         raise ShardkitError(f"--nproc must be a positive integer, got {nproc!r}")
     check_local_ranks(backend, int(nproc))
     command = backend.launch_command(nproc, req.launcher_args, req.script_argv)
-    return command, {"SHARDKIT_BACKEND": backend.name, **thread_env(int(nproc), os.environ)}
+    env = {"SHARDKIT_BACKEND": backend.name, **thread_env(int(nproc), os.environ)}
+    if req.verbose:
+        env["SHARDKIT_LOG"] = "info" if req.verbose == 1 else "debug"
+    return command, env
 
 
 def usable_cores() -> int:

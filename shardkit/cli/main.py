@@ -17,6 +17,7 @@ from typing import Sequence
 from .._version import __version__
 from ..errors import ShardkitError
 from ..suggest import did_you_mean
+from .args import ENVIRONMENT_HELP
 
 # name -> (module whose add_parser registers it, one-line help shown by `shardkit --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -37,6 +38,30 @@ def _first_positional(argv: Sequence[str]) -> str | None:
     return next((token for token in argv if not token.startswith("-")), None)
 
 
+VERBOSE_FLAGS = {"-v": 1, "-vv": 2, "-vvv": 3, "--verbose": 1}
+
+
+def _take_verbosity(argv: list[str]) -> tuple[list[str], int]:
+    """Pull -v / -vv / --verbose out of a command's own arguments (`shardkit demo -v` reads as
+    `shardkit -v demo`); `launch` keeps them, as everything after its script is the script's."""
+    command = _first_positional(argv)
+    if command is None or command == "launch":
+        return argv, 0
+    at = argv.index(command)
+    rest = [token for token in argv[at + 1:] if token not in VERBOSE_FLAGS]
+    count = sum(VERBOSE_FLAGS.get(token, 0) for token in argv[at + 1:])
+    return argv[:at + 1] + rest, count
+
+
+def _apply_verbosity(count: int) -> None:
+    """-v / -vv: SHARDKIT_LOG for this process and every rank it starts (they inherit the env)."""
+    if count:
+        from ..logs import configure_from_env
+
+        os.environ["SHARDKIT_LOG"] = "info" if count == 1 else "debug"
+        configure_from_env()
+
+
 def _chosen_command(argv: Sequence[str]) -> str | None:
     """Return the subcommand named in `argv`, if it is one."""
     token = _first_positional(argv)
@@ -46,9 +71,13 @@ def _chosen_command(argv: Sequence[str]) -> str | None:
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """Return the top-level parser: the full parser for the command in `argv`, a help stub for the rest."""
     parser = argparse.ArgumentParser(
-        prog="shardkit",
-        description="shardkit: one sharded data-parallel engine for PyTorch on every accelerator.")
+        prog="shardkit", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="shardkit: one sharded data-parallel engine for PyTorch on every accelerator.",
+        epilog=ENVIRONMENT_HELP)
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="say what shardkit decides (SHARDKIT_LOG=info); -vv: every "
+                             "collective too (debug); ranks it starts inherit it")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     chosen = _chosen_command(argv)
     if chosen is not None:
@@ -62,16 +91,28 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `shardkit` command line; return its exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C reached every process of the terminal's group; spawn has stopped the ranks.
+        print(f"\nshardkit {_first_positional(argv) or ''}: interrupted".replace(" :", ":"),
+              file=sys.stderr)
+        return 128 + 2
+
+
+def _run(argv: list[str]) -> int:
     named = _first_positional(argv)
     if named is not None and named not in COMMANDS:  # argparse's own error offers no guess
         print(f"shardkit: error: unknown command {named!r}{did_you_mean(named, COMMANDS)} "
               f"Commands: {', '.join(COMMANDS)} (shardkit --help)", file=sys.stderr)
         return 2
+    argv, later_verbosity = _take_verbosity(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()
         return 0
+    _apply_verbosity(args.verbose + later_verbosity)
     try:
         status = int(args.run(args) or 0)
         sys.stdout.flush()  # inside the try: a reader that left early shows up here

@@ -5,13 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..cli.args import positive_int
-from .data import require_scikit_learn
-from .memory import memory_report
-from .models import IMAGE_MODELS
-from .train import DEFAULT_LR, PRECISIONS, DemoConfig, run_demo
-
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+from ..cli.args import ENVIRONMENT_HELP, STRATEGY_NAMES, positive_int
+from .config import DEFAULT_LR, IMAGE_MODELS, PRECISION_NAMES, DemoConfig
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -19,6 +14,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d = DemoConfig()
     p = subparsers.add_parser(
         "demo", help="train an MNIST-style CNN sharded across local processes",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=ENVIRONMENT_HELP,
         description="Train the seed tutorial's CNN on scikit-learn's handwritten digits "
                     "(upscaled to 28x28) across local ranks with shardkit.shard, printing "
                     "train loss, test accuracy and each rank's memory.")
@@ -26,7 +22,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="backend name (default: the best available one, see `shardkit info`)")
     p.add_argument("--nproc", type=positive_int, default=d.nproc,
                    help=f"number of local ranks (default: {d.nproc})")
-    p.add_argument("--strategy", default=d.strategy, type=str.upper, choices=STRATEGIES,
+    p.add_argument("--strategy", default=d.strategy, type=str.upper, choices=STRATEGY_NAMES,
                    help=f"how parameters, gradients and optimizer state are split (default: "
                         f"{d.strategy})")
     p.add_argument("--model", default=d.model, choices=IMAGE_MODELS,
@@ -34,7 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         f"(default: {d.model})")
     p.add_argument("--epochs", type=positive_int, default=d.epochs,
                    help=f"passes over the training images (default: {d.epochs})")
-    p.add_argument("--mixed-precision", default=d.mixed_precision, choices=sorted(PRECISIONS),
+    p.add_argument("--mixed-precision", default=d.mixed_precision, choices=PRECISION_NAMES,
                    help=f"compute dtype; the sharded weights stay float32 (default: "
                         f"{d.mixed_precision})")
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
@@ -67,6 +63,8 @@ def summary(results: list[dict], seconds: float) -> str:
     """The closing lines: accuracy, time and the per-rank memory table."""
     first = results[0]
     cfg, last = first["config"], first["history"][-1]
+    from .memory import memory_report
+
     device_kind = first["device"].split(":")[0]
     return (f"{cfg['model']} ({first['num_params']:,} params), {cfg['strategy']} on "
             f"{first['world_size']} ranks ({first['device']}): final test accuracy "
@@ -76,10 +74,14 @@ def summary(results: list[dict], seconds: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo from parsed flags and print its summary; return the exit code."""
+    from .data import require_scikit_learn
+    from .train import run_demo
+
     cfg = config_from_args(args)
     require_scikit_learn()  # one line here, not each rank's chained traceback after spawning
     print(f"shardkit demo: {cfg.model} on digits 28x28, {cfg.nproc} ranks, {cfg.strategy}, "
-          f"{cfg.epochs} epochs, batch {cfg.batch_size}/rank, {cfg.optimizer}, "
+          f"{cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''}, batch {cfg.batch_size}/rank, "
+          f"{cfg.optimizer}, "
           f"mixed precision {cfg.mixed_precision}", flush=True)
     t0 = time.perf_counter()
     results = run_demo(cfg)

@@ -116,9 +116,6 @@ class GPT(nn.Module):
         return F.linear(self.ln_f(x), self.wte.weight)
 
 
-# What `shardkit demo --model` offers: the models that take the digits images. The GPT shapes
-# below are for benchmarks/ (token inputs); the demo has no text task to feed them.
-IMAGE_MODELS = ("shallow", "deep", "mlp")
 MODELS = {"shallow": ShallowNet, "deep": DeepNet, "mlp": MLP,
           "gpt2-medium": GPT, "gpt2-small": lambda: GPT(dim=768, layers=12, heads=12),
           "gpt-tiny": lambda: GPT(vocab=128, context=32, dim=32, layers=2, heads=4)}

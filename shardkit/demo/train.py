@@ -4,39 +4,20 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..seeding import seeded
+from .config import DEFAULT_LR, DemoConfig
 from .data import batches, load_digits_28, rank_indices, rank_slice
 from .memory import measured_state_bytes, unsharded_state_bytes
 from .models import build_model, count_params
 
-DEFAULT_LR = {"adadelta": 1.0, "adamw": 1e-3}
 LR_DECAY = 0.7  # the tutorial's StepLR(step_size=1, gamma=0.7)
 PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class DemoConfig:
-    """Everything one demo run needs; it is pickled to every rank."""
-
-    model: str = "shallow"
-    strategy: str = "FULL_SHARD"
-    epochs: int = 6
-    batch_size: int = 32
-    optimizer: str = "adadelta"
-    lr: float | None = None
-    mixed_precision: str = "none"
-    seed: int = 1
-    nproc: int = 2
-    backend: str | None = None
-    threads_per_rank: int | None = None
-    limit_train: int | None = None
-    progress: bool = True
 
 
 def _mixed_precision(shardkit, backend, name: str):

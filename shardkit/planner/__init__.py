@@ -6,7 +6,22 @@ JSON form), optimizers (state tensors per parameter), models (building a model o
 device from a `module:factory` or a transformers config), cli (`shardkit plan`).
 """
 
-from .build import plan
-from .result import Plan, UnitRow
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .build import plan
+    from .result import Plan, UnitRow
+
+# Imported on first use: the `shardkit plan` parser (and its --help) needs no torch.
+_LAZY = {"plan": ".build", "Plan": ".result", "UnitRow": ".result"}
+
+
+def __getattr__(name: str) -> Any:
+    """Resolve the public names lazily from their modules."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shardkit.planner' has no attribute {name!r}")
+    return getattr(import_module(_LAZY[name], __name__), name)
+
 
 __all__ = ["Plan", "UnitRow", "plan"]

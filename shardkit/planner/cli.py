@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
-import torch
-
-from ..cli.args import positive_int
+from ..cli.args import ENVIRONMENT_HELP, STRATEGY_NAMES, positive_int
 from ..errors import ShardkitError
-from ..sharding.policies import MixedPrecision, ShardingStrategy
-from .build import plan
-from .models import (default_hf_wrap, from_factory, from_hf_config, hf_config,
-                     wrap_by_class_names)
 from .optimizers import STATE_TENSORS_PER_PARAM
 
-# Compute in the low precision, reduce gradients in fp32 (the usual FSDP recipe).
-PRECISIONS = {"fp32": None,
-              "bf16": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-              "fp16": MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)}
+PRECISION_NAMES = ("bf16", "fp16", "fp32")
+
+
+def mixed_precision(name: str) -> Any:
+    """The MixedPrecision a --mixed-precision name stands for: compute in it, reduce in fp32."""
+    import torch
+
+    from ..sharding.policies import MixedPrecision
+
+    if name == "fp32":
+        return None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def _reshard(text: str) -> bool | int | None:
@@ -38,6 +42,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `plan` subcommand on an argparse subparsers object."""
     p = subparsers.add_parser(
         "plan", help="predict per-rank memory and bytes per step of a model before launching",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=ENVIRONMENT_HELP,
         description="Build the model on the meta device (no memory, no download) and print "
                     "what shardkit.shard() would make of it: units, padded shards, persistent "
                     "bytes per rank, the largest gathered unit, an estimated peak (activations "
@@ -51,13 +56,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="override a --hf-config setting (repeatable), e.g. --set n_layer=24")
     p.add_argument("--world-size", type=positive_int, required=True)
     p.add_argument("--strategy", default="FULL_SHARD", type=str.upper,
-                   choices=[s.name for s in ShardingStrategy])
+                   choices=STRATEGY_NAMES)
     p.add_argument("--hybrid-group-size", type=positive_int, default=None,
                    help="HYBRID_SHARD shard group size (default: the world size)")
     p.add_argument("--wrap", default=None, metavar="CLASSNAME[,CLASSNAME]",
                    help="module classes that become units (default for --hf-config: the "
                         "model's _no_split_modules; otherwise only the root unit)")
-    p.add_argument("--mixed-precision", default="fp32", choices=sorted(PRECISIONS),
+    p.add_argument("--mixed-precision", default="fp32", choices=PRECISION_NAMES,
                    help="bf16/fp16: compute in that dtype, reduce in fp32")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--optimizer", default="adam", choices=sorted(STATE_TENSORS_PER_PARAM))
@@ -73,6 +78,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Build the model, plan it and print the table (or JSON)."""
+    from .build import plan
+    from .models import (default_hf_wrap, from_factory, from_hf_config, hf_config,
+                         wrap_by_class_names)
+
     if args.hf_config is not None:
         model = from_hf_config(hf_config(args.hf_config, args.set))
         present = {type(m).__name__ for m in model.modules()}
@@ -87,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         wrap_names = args.wrap.split(",")
     result = plan(model, world_size=args.world_size, strategy=args.strategy,
                   auto_wrap_policy=wrap_by_class_names(model, wrap_names),
-                  mixed_precision=PRECISIONS[args.mixed_precision], cpu_offload=args.cpu_offload,
+                  mixed_precision=mixed_precision(args.mixed_precision), cpu_offload=args.cpu_offload,
                   optimizer=args.optimizer, hybrid_group_size=args.hybrid_group_size,
                   backend=args.backend, prefetch=args.prefetch,
                   reshard_after_forward=args.reshard_after_forward)
