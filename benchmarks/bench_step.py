@@ -419,6 +419,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="profile each mode after timing; per-mode tables written to DIR")
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw s/step and peak memory per mode against FSDP2 (matplotlib)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-interleave", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -482,9 +484,15 @@ def main(argv=None) -> int:
     targets = target_lines(rows, mem, args.device)
     if targets:
         print("\nTargets:\n" + "\n".join(targets))
+    result = {"title": title, "rows": rows, "memory": list(mem.values())}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"title": title, "rows": rows, "memory": list(mem.values())}, f, indent=1)
+            json.dump(result, f, indent=1)
+    if args.plot:
+        from plot_step import plot  # benchmarks/plot_step.py, beside this script
+
+        plot(result, args.plot)
+        print(f"\nplot: {args.plot}")
     return 0
 
 

@@ -34,12 +34,10 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .runtime import DistContext, current_context, init, shutdown
     from .seeding import seeded
     from .selection import backend_statuses, get_backend
-    from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, full_shape,
-                           full_tensor, local_shard, register_forward_method, shard)
+    from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, comm_stats,
+                           full_shape, full_tensor, local_shard, register_forward_method, shard)
     from .sharding.replicas import check_model_replicas as check_replicas
     from .sharding.verify import CollectiveOrderError
-    # The function: mypy also counts sharding's comm_stats module as a binding of this name.
-    from .sharding import comm_stats  # type: ignore[no-redef]
 
 # public name -> (module, attribute in it); tests/test_cli_startup.py checks it against the block above
 _LAZY: dict[str, tuple[str, str]] = {

@@ -66,6 +66,27 @@ def test_suite_catches_a_miswired_backend() -> None:
     assert "broadcast from 1" in result.failure("broadcast")
     assert "broadcast from group rank 1" in result.failure("new_group")
     assert "op='avg'" in result.failure("unsupported_op")
+    # Printed (a REPL shows the repr), the result is a pass/fail table, not a wall of None.
+    shown = repr(result).splitlines()
+    assert shown[0] == "conformance of 'miswired'" and shown[1].split() == ["check", "ws=2"]
+    rows = dict(line.split() for line in shown[2:-1])
+    assert rows == {name: "FAIL" if name in result.failed_checks() else "pass"
+                    for name in rows} and len(rows) == len(result.per_rank[0])
+    assert shown[-1] == f"{len(rows) - 4} passed, 4 failed, 0 skipped"
+
+
+def test_report_table_marks_sizes_that_cannot_run_here() -> None:
+    from shardkit.testing.conformance import ConformanceReport, WorldResult
+
+    ran = WorldResult("x", 1, [{"context": None, "all_gather": "[rank 0] wrong"}])
+    skipped = WorldResult("x", 8, [], skipped="'x' sees 1 device(s), fewer than 8 ranks")
+    assert str(ConformanceReport([ran, skipped]).table()).splitlines() == [
+        "conformance of 'x'",
+        "check       ws=1    ws=8",
+        "context     pass    skip",
+        "all_gather  FAIL    skip",
+        "1 passed, 1 failed, 2 skipped; world size 8 skipped: 'x' sees 1 device(s), fewer than "
+        "8 ranks"]
 
 
 class LyingAverager(CPUBackend):

@@ -98,6 +98,51 @@ def test_two_rank_full_shard_demo_learns_and_prints_consistent_memory(capfd):
         assert abs(unsharded - formula) <= 0.05 * MB
         assert formula / 2 - 0.05 * MB <= state <= formula / 2 + padding + 0.05 * MB
         assert peak >= before > state
+    # What a rank sent per step: FULL_SHARD gathers every unit twice (forward, backward) and
+    # reduce-scatters the gradients once: (N-1)/N of the fp32 parameters each time, N = 2.
+    sent = re.search(r"all-gather ([\d.]+), reduce-scatter ([\d.]+), all-reduce ([\d.]+)", out)
+    half = 4 * params / 2 / MB
+    assert [float(v) for v in sent.groups()] == pytest.approx([2 * half, half, 0.0], abs=0.006)
+    assert "FULL_SHARD: parameters, gradients and optimizer state sharded" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, nproc, group", [("SHARD_GRAD_OP", 2, None),
+                                                    ("NO_SHARD", 2, None),
+                                                    ("HYBRID_SHARD", 4, 2)])
+def test_the_strategies_differ_in_what_a_rank_holds_and_sends(strategy, nproc, group):
+    from shardkit.demo.config import DemoConfig
+    from shardkit.demo.train import run_demo
+
+    cfg = DemoConfig(strategy=strategy, nproc=nproc, hybrid_group_size=group, epochs=1,
+                     limit_train=64, progress=False, threads_per_rank=1)
+    results = run_demo(cfg)
+    fp32_params = 4 * count_params(ShallowNet())  # every ShallowNet row count is even: no padding
+    shard = {"SHARD_GRAD_OP": 2, "NO_SHARD": 1, "HYBRID_SHARD": 2}[strategy]
+    replicas = nproc // shard
+    ring = (shard - 1) / shard * fp32_params  # one all-gather or reduce-scatter in the group
+    expected = {"SHARD_GRAD_OP": (ring, ring, 0.0),  # gathered once: kept for backward
+                "NO_SHARD": (0.0, 0.0, 2 * (replicas - 1) / replicas * fp32_params),
+                "HYBRID_SHARD": (2 * ring, ring,
+                                 2 * (replicas - 1) / replicas * fp32_params / shard)}[strategy]
+    for r in results:
+        sent = r["sent_per_step"]
+        assert (sent["all_gather"], sent["reduce_scatter"], sent["all_reduce"]) == \
+            pytest.approx(expected, abs=1.0)
+        assert r["groups"] == {"shard": shard, "replicas": replicas}
+        assert r["memory"]["state_bytes"] == pytest.approx(16 * count_params(ShallowNet()) / shard,
+                                                           abs=1)
+
+
+def test_hybrid_group_size_is_checked_before_any_rank_starts():
+    with pytest.raises(Exception, match="applies to --strategy HYBRID_SHARD only"):
+        cli.config_from_args(_parse(["--hybrid-group-size", "2"]))
+    with pytest.raises(Exception, match=r"does not divide --nproc 4; HINT: use one of \[1, 2, 4\]"):
+        cli.config_from_args(_parse(["--strategy", "hybrid_shard", "--nproc", "4",
+                                     "--hybrid-group-size", "3"]))
+    cfg = cli.config_from_args(_parse(["--strategy", "hybrid_shard", "--nproc", "4",
+                                       "--hybrid-group-size", "2"]))
+    assert (cfg.strategy, cfg.hybrid_group_size) == ("HYBRID_SHARD", 2)
 
 
 def test_python_m_shardkit_demo_is_registered():

@@ -6,7 +6,10 @@ import argparse
 import time
 
 from ..cli.args import ENVIRONMENT_HELP, STRATEGY_NAMES, positive_int
-from .config import DEFAULT_LR, IMAGE_MODELS, PRECISION_NAMES, DemoConfig
+from ..errors import ShardkitError
+from .config import DEFAULT_LR, IMAGE_MODELS, PRECISION_NAMES, STRATEGY_TRADE, DemoConfig
+
+MB = 1024 * 1024
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -25,6 +28,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--strategy", default=d.strategy, type=str.upper, choices=STRATEGY_NAMES,
                    help=f"how parameters, gradients and optimizer state are split (default: "
                         f"{d.strategy})")
+    p.add_argument("--hybrid-group-size", type=positive_int, default=None, metavar="G",
+                   help="HYBRID_SHARD: ranks per shard group, a divisor of --nproc; the groups "
+                        "hold replicas (default: --nproc, i.e. one group)")
     p.add_argument("--model", default=d.model, choices=IMAGE_MODELS,
                    help=f"shallow: 1.2M params; deep: 94M params (slow on CPU); mlp: 4.8M "
                         f"(default: {d.model})")
@@ -52,7 +58,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     """Turn parsed flags into a DemoConfig."""
+    if args.hybrid_group_size is not None:
+        if args.strategy != "HYBRID_SHARD":
+            raise ShardkitError("--hybrid-group-size applies to --strategy HYBRID_SHARD only")
+        if args.nproc % args.hybrid_group_size:
+            divisors = [g for g in range(1, args.nproc + 1) if args.nproc % g == 0]
+            raise ShardkitError(f"--hybrid-group-size {args.hybrid_group_size} does not divide "
+                                f"--nproc {args.nproc}; HINT: use one of {divisors}")
     return DemoConfig(model=args.model, strategy=args.strategy, epochs=args.epochs,
+                      hybrid_group_size=args.hybrid_group_size,
                       batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
                       mixed_precision=args.mixed_precision, seed=args.seed, nproc=args.nproc,
                       backend=args.backend, threads_per_rank=args.threads_per_rank,
@@ -69,7 +83,17 @@ def summary(results: list[dict], seconds: float) -> str:
     return (f"{cfg['model']} ({first['num_params']:,} params), {cfg['strategy']} on "
             f"{first['world_size']} ranks ({first['device']}): final test accuracy "
             f"{last['test_accuracy'] * 100:.2f}%, train loss {last['train_loss']:.4f}, "
-            f"{seconds:.1f} s in total\n" + memory_report(results, device_kind))
+            f"{seconds:.1f} s in total\n" + memory_report(results, device_kind) + "\n"
+            + traffic_report(first) + f"\n{cfg['strategy']}: {STRATEGY_TRADE[cfg['strategy']]}")
+
+
+def traffic_report(result: dict) -> str:
+    """One line: what a rank sent per training step, by collective, and how its groups are laid out."""
+    sent, groups = result["sent_per_step"], result["groups"]
+    kinds = ", ".join(f"{kind.replace('_', '-')} {sent[kind] / MB:.2f}"
+                      for kind in ("all_gather", "reduce_scatter", "all_reduce"))
+    return (f"sent per rank per training step, MB: {kinds} (total {sent['total'] / MB:.2f}); "
+            f"shard groups of {groups['shard']} rank(s) x {groups['replicas']} replica(s)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,6 +9,16 @@ from dataclasses import dataclass
 IMAGE_MODELS = ("shallow", "deep", "mlp")
 PRECISION_NAMES = ("none", "bf16", "fp16")
 DEFAULT_LR = {"adadelta": 1.0, "adamw": 1e-3}
+# What each strategy trades, printed under the demo's figures so the runs can be told apart.
+STRATEGY_TRADE = {
+    "FULL_SHARD": "parameters, gradients and optimizer state sharded; each unit is gathered for "
+                  "forward and again for backward",
+    "SHARD_GRAD_OP": "as FULL_SHARD, but a unit's gathered parameters stay from forward to "
+                     "backward: one gather per unit per step, more memory at the peak",
+    "NO_SHARD": "every rank holds everything; gradients are all-reduced (DDP)",
+    "HYBRID_SHARD": "FULL_SHARD inside each shard group, replicated across groups: gradients "
+                    "are reduce-scattered in the group, then all-reduced across replicas",
+}
 
 
 @dataclass
@@ -17,6 +27,7 @@ class DemoConfig:
 
     model: str = "shallow"
     strategy: str = "FULL_SHARD"
+    hybrid_group_size: int | None = None  # HYBRID_SHARD: ranks per shard group
     epochs: int = 6
     batch_size: int = 32
     optimizer: str = "adadelta"

@@ -40,7 +40,7 @@ def _shard(model: nn.Module, cfg: DemoConfig, ctx) -> nn.Module:
                           auto_wrap_policy=shardkit.wrap.transformer_layers({nn.Conv2d, nn.Linear}),
                           mixed_precision=_mixed_precision(shardkit, ctx.backend,
                                                            cfg.mixed_precision),
-                          backend=ctx.backend)
+                          hybrid_group_size=cfg.hybrid_group_size, backend=ctx.backend)
 
 
 def _optimizer(model: nn.Module, cfg: DemoConfig) -> torch.optim.Optimizer:
@@ -67,7 +67,8 @@ def _evaluate(model: nn.Module, test, ctx) -> float:
     return correct / total
 
 
-def _train_epoch(model, opt, train, cfg: DemoConfig, ctx, epoch: int) -> float:
+def _train_epoch(model, opt, train, cfg: DemoConfig, ctx, epoch: int) -> tuple[float, int]:
+    """One pass over this rank's share of the data: (mean train loss over all ranks, steps)."""
     model.train()
     order = rank_indices(len(train), ctx.rank, ctx.world_size, epoch, cfg.seed)
     steps = -(-order.numel() // cfg.batch_size)
@@ -94,11 +95,12 @@ def _train_epoch(model, opt, train, cfg: DemoConfig, ctx, epoch: int) -> float:
     if bar is not None:
         bar.close()
     total_loss, total_seen = _all_sum(ctx, [loss_sum, seen])
-    return total_loss / total_seen
+    return total_loss / total_seen, steps
 
 
 def train_rank(rank: int, cfg: DemoConfig) -> dict:
     """Train and evaluate on this rank (run under shardkit.spawn); return its figures."""
+    import shardkit
     from shardkit.runtime import require_context
 
     ctx = require_context()  # made by shardkit.spawn
@@ -112,10 +114,17 @@ def train_rank(rank: int, cfg: DemoConfig) -> dict:
     opt = _optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=LR_DECAY)
     history = []
+    sent: dict[str, float] = {}
+    steps = 0
     t0 = time.perf_counter()
     for epoch in range(cfg.epochs):
         t_epoch = time.perf_counter()
-        loss = _train_epoch(model, opt, train, cfg, ctx, epoch)
+        shardkit.comm_stats(model, reset=True)  # count training steps only, not evaluation
+        loss, epoch_steps = _train_epoch(model, opt, train, cfg, ctx, epoch)
+        steps += epoch_steps
+        for kind, nbytes in shardkit.comm_stats(model).items():
+            if isinstance(nbytes, int):
+                sent[kind] = sent.get(kind, 0) + nbytes
         sched.step()
         acc = _evaluate(model, test, ctx)
         history.append({"epoch": epoch + 1, "train_loss": loss, "test_accuracy": acc})
@@ -129,7 +138,12 @@ def train_rank(rank: int, cfg: DemoConfig) -> dict:
               "unsharded_formula_bytes": unsharded_state_bytes(num_params, cfg.optimizer),
               "peak_bytes": ctx.backend.memory_stats(ctx.device)["peak"],
               "start_bytes": start_bytes}
+    from ..sharding import sharding_info
+
+    info = sharding_info(model)
     return {"rank": rank, "world_size": ctx.world_size, "num_params": num_params,
+            "sent_per_step": {kind: nbytes / max(steps, 1) for kind, nbytes in sent.items()},
+            "groups": {"shard": info["shard_group_size"], "replicas": info["replica_group_size"]},
             "device": str(ctx.device), "history": history, "memory": memory,
             "train_seconds": time.perf_counter() - t0, "config": asdict(cfg)}
 

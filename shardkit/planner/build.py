@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import ShardkitError
 from ..sharding.buckets import collective_buckets
-from ..sharding.comm_stats import CommStats
+from ..sharding.traffic import CommStats
 from ..sharding.groups import shard_group_size
 from ..sharding.layout import shard_layout
 from ..sharding.plan import ParamPlan, UnitPlan, plan_units

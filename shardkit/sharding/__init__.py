@@ -11,7 +11,7 @@ reduce of one unit), state (per-model context, execution order, prefetch, backwa
 hooks (module and autograd hooks), forward_methods (other methods run under the hooks),
 reduce_ops (AVG / PREMUL_SUM or SUM + divide), materialize (meta-device init), replicas
 (compare replicated values across ranks, or copy rank 0's), api (shard()), module_api
-(no_sync, unshard, gradient sync, explicit prefetch), clip (clip_grad_norm_), comm_stats (bytes
+(no_sync, unshard, gradient sync, explicit prefetch), clip (clip_grad_norm_), traffic (bytes
 sent), views (the checkpoint contract), trace (`shardkit::` profiler ranges, free without a
 profiler).
 """

@@ -16,7 +16,7 @@ import torch
 from ..backend import Backend
 from ..handles import Group, Work
 from .buffers import BufferPool
-from .comm_stats import CommStats
+from .traffic import CommStats
 from .param import ShardedParam
 from .trace import trace_range
 

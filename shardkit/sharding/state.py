@@ -10,7 +10,7 @@ from ..backend import Backend
 from ..handles import Group
 from .buffers import BufferPool
 from .collectives import PendingReduce
-from .comm_stats import CommStats
+from .traffic import CommStats
 from .policies import ShardConfig
 from .trace import trace_range
 from .unit import ShardUnit

@@ -33,6 +33,7 @@ import operator
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+from typing_extensions import override
 
 from ..backend import Backend
 from ..capabilities import Capabilities
@@ -542,7 +543,7 @@ def max_world_size(backend: Backend) -> int | None:
     return backend.max_local_ranks()
 
 
-@dataclass
+@dataclass(repr=False)
 class WorldResult:
     """The outcome of every check at one world size: per check, per rank, None or failure text."""
 
@@ -560,12 +561,48 @@ class WorldResult:
         """Names of the checks that failed on any rank."""
         return [name for name in CHECK_NAMES if self.per_rank and self.failure(name)]
 
+    def outcome(self, check: str) -> str:
+        """"pass", "FAIL", "skip" (world size not runnable here) or "-" (not run) for one check."""
+        if self.skipped:
+            return "skip"
+        if not self.per_rank or check not in self.per_rank[0]:
+            return "-"
+        return "FAIL" if self.failure(check) else "pass"
 
-@dataclass
+    @override
+    def __repr__(self) -> str:
+        return repr(ConformanceReport([self]))
+
+
+@dataclass(repr=False)
 class ConformanceReport:
-    """Results of a conformance run over several world sizes."""
+    """Results of a conformance run over several world sizes; printed, a pass/fail table."""
 
     results: list[WorldResult]
+
+    def table(self) -> str:
+        """One row per check, one column per world size (pass / FAIL / skip), and the totals."""
+        names = ([n for n in CHECK_NAMES if any(r.outcome(n) in ("pass", "FAIL")
+                                                for r in self.results)] or list(CHECK_NAMES))
+        backends = sorted({r.backend for r in self.results})
+        width = max(len(n) for n in names) if names else 5
+        lines = [f"conformance of {', '.join(map(repr, backends))}",
+                 (f"{'check':<{width}}  " + "  ".join(f"ws={r.world_size:<3}"
+                                                      for r in self.results)).rstrip()]
+        counts = {"pass": 0, "FAIL": 0, "skip": 0}
+        for name in names:
+            cells = [r.outcome(name) for r in self.results]
+            for cell in cells:
+                counts[cell] = counts.get(cell, 0) + 1
+            lines.append((f"{name:<{width}}  " + "  ".join(f"{c:<6}" for c in cells)).rstrip())
+        lines.append(f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skip']} skipped"
+                     + "".join(f"; world size {r.world_size} skipped: {r.skipped}"
+                               for r in self.results if r.skipped))
+        return "\n".join(lines)
+
+    @override
+    def __repr__(self) -> str:
+        return self.table()
 
     def failures(self) -> dict[tuple[int, str], str]:
         """Map (world size, check) to failure text for every failed check."""
