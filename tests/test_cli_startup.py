@@ -90,10 +90,7 @@ def test_v_after_the_command_logs_what_shardkit_decides(tmp_path):
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "[shardkit INFO" in out.stderr and "sharded ShallowNet with FULL_SHARD" in out.stderr
-    quiet = subprocess.run([sys.executable, "-m", "shardkit", "demo", "--epochs", "1",
-                            "--limit-train", "64", "--no-progress", "--nproc", "2"],
-                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert quiet.returncode == 0 and "[shardkit INFO" not in quiet.stderr, quiet.stderr
+
 
 
 def test_launch_v_sets_the_log_level_for_every_rank():
@@ -106,7 +103,7 @@ def test_launch_v_sets_the_log_level_for_every_rank():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("after", [0.3, 4.0, 9.0])
+@pytest.mark.parametrize("after", [0.3, 4.0, pytest.param(9.0, marks=pytest.mark.long)])
 def test_ctrl_c_ends_the_demo_quietly_with_130(after, tmp_path):
     # Ctrl-C in a terminal signals the whole foreground process group: the command, the
     # forkserver and every rank. Sent while starting, while ranks import and while training.

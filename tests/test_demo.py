@@ -76,7 +76,9 @@ def test_two_rank_full_shard_demo_learns_and_prints_consistent_memory(capfd):
 
     assert main(["demo", "--nproc", "2", "--epochs", "2", "--model", "shallow", "--no-progress",
                  "--threads-per-rank", "1", "--limit-train", "800"]) == 0
-    out = capfd.readouterr().out
+    captured = capfd.readouterr()
+    out = captured.out
+    assert "[shardkit INFO" not in captured.err  # logging is opt-in (-v, SHARDKIT_LOG)
 
     epochs = re.findall(r"epoch (\d)/2  train loss ([\d.]+)  test accuracy ([\d.]+)%", out)
     assert [e[0] for e in epochs] == ["1", "2"], out

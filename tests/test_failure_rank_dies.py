@@ -79,9 +79,10 @@ def test_survivors_exit_naming_the_failed_rank(tmp_path, world, strategy, kind, 
         report = err.reports[rank]
         assert err.exitcodes[rank] == PEER_FAILED_EXIT, report
         assert re.search(cause, report), report
-        # A survivor slower than the victim may still be in its own optimizer step when it notices.
+        # A survivor slower than the victim may still be in its own optimizer step when it
+        # notices; one outside the victim's shard group (HYBRID) may have finished its step.
         assert re.search(rf"Rank {rank} stops too; it was in (unit '[^']+', (forward|backward)|"
-                         r"optimizer step)", report), report
+                         r"optimizer step|between optimizer step and forward)", report), report
         assert report in str(err)  # the parent's message carries every survivor's report
         assert 0 <= times[rank] < EXIT_BOUND_S, times
 

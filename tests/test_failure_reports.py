@@ -95,6 +95,7 @@ def test_by_hand_a_raising_rank_is_named_by_its_peer_at_once(tmp_path, with_fina
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the collective timeout has to run out
 @pytest.mark.parametrize("with_finally", [True, False], ids=["finally-shutdown", "plain"])
 def test_by_hand_ranks_out_of_step_get_the_debug_hint_not_a_dead_rank(tmp_path, with_finally):
     codes, outs, ended = _run_by_hand(tmp_path, "out_of_step", with_finally)
@@ -115,7 +116,7 @@ def test_by_hand_ranks_out_of_step_get_the_debug_hint_not_a_dead_rank(tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("failure", ["raise", "out_of_step"])
+@pytest.mark.parametrize("failure", ["raise", pytest.param("out_of_step", marks=pytest.mark.long)])
 def test_spawn_with_finally_shutdown_still_names_the_cause(tmp_path, failure):
     result = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True,
                             text=True, timeout=180,

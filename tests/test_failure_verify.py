@@ -45,6 +45,7 @@ def test_debug_env_verifies_and_names_a_unit_skipped_on_one_rank(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the collective timeout has to run out
 def test_without_verify_an_extra_forward_fails_within_the_timeout_saying_why():
     reports = _reports("extra_forward", False)
     for rank in (0, 1):

@@ -121,6 +121,7 @@ def test_script_arguments_pass_through_untouched(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_nodes_on_one_machine_equal_one_node_of_the_same_world_size(tmp_path):
     steps = ["--steps", "6"]
     port = str(free_port())

@@ -133,6 +133,7 @@ def test_a_rank_whose_store_never_opens_fails_within_the_timeout(tmp_path, ranks
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the default 30 s timeout has to run out
 def test_a_stopped_rank_is_named_with_default_settings_through_finally_shutdown(tmp_path, ranks):
     # Rank 0 waits in a collective before rank 1 is stopped, so gloo's own 30 s timeout fires
     # before the watchdog misses 30 s of heartbeats: the report must come from the exception
@@ -232,6 +233,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_spawns_and_two_launches_run_side_by_side(tmp_path):
     script = tmp_path / "spawned.py"
     script.write_text(SPAWNED)
