@@ -202,7 +202,9 @@ def on_exception(exc: BaseException) -> BaseException:
         kept = _traceback_note(exc, wd.rank)
         if failures:
             if not wd.claim_report():
-                return exc
+                # The watchdog thread said it first and is ending this rank: the collective's
+                # own error is only the consequence, not a second story.
+                return PeerFailedError(wd.await_own_exit() or str(exc))
             message = wd.survivor_message(failures) + kept
             emit(message)
             launcher_record.record(message, "", failed_here=False)

@@ -68,6 +68,7 @@ class Watchdog:
         self._store_errors = 0
         self._stop = threading.Event()
         self._reported = False
+        self.report_message = ""  # what exit_as_survivor printed, once it has
         # Set once this rank posted its own failure and every survivor read it: the store's host
         # may be gone from then on, and touching the store would only print C++ warnings.
         self._detached = False
@@ -249,6 +250,7 @@ class Watchdog:
                 return
             self._reported = True
         message = self.survivor_message(failures)
+        self.report_message = message
         emit(message)
         launcher_record.record(message, "", failed_here=False)
         self.report_written.set()
@@ -302,6 +304,14 @@ class Watchdog:
                 time.sleep(self.interval / 4)
         except Exception:  # noqa: BLE001 - the store went with its host: nothing left to wait for
             pass
+
+    def await_own_exit(self) -> str:
+        """In another thread, once this thread reported a peer's failure: wait while it lingers
+        and ends the process (a launched rank); return what it printed if the process goes on."""
+        self.report_written.wait(timeout=self.timeout)
+        if self.report_message:  # this thread reported (not the caller's own earlier report)
+            self._stop.wait(timeout=2 * min(self.timeout, 5.0) + 1.0)
+        return self.report_message
 
     def claim_report(self) -> bool:
         """Return True once: the caller, not the thread, reports this rank's failure."""

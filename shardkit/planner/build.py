@@ -13,6 +13,7 @@ reduced).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -27,6 +28,7 @@ from ..sharding.plan import ParamPlan, UnitPlan, plan_units
 from ..sharding.policies import MixedPrecision, ShardConfig, ShardingStrategy
 from ..sharding.reshard import ReshardSpec, resolve, unit_label
 from ..wrap import WrapPolicy, as_policy
+from .activations import InputsFn, UnitBuffers, simulate_step
 from .optimizers import state_tensors
 from .result import Plan, UnitRow
 
@@ -69,7 +71,9 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
          mixed_precision: MixedPrecision | None = None, cpu_offload: bool = False,
          optimizer: str = "adam", hybrid_group_size: int | None = None,
          shard_alignment: int | None = None, backend: object = None, prefetch: int = 1,
-         reshard_after_forward: ReshardSpec = None) -> Plan:
+         reshard_after_forward: ReshardSpec = None, batch: int | None = None,
+         seq: int | None = None, activation_checkpointing: bool = False,
+         example_inputs: InputsFn | None = None) -> Plan:
     """Predict per-rank memory and bytes sent per step for `model` sharded as shard() would.
 
     The model may live on the meta device (nothing is allocated; a 70B config plans in seconds).
@@ -85,7 +89,13 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
       the shard group size: after forward each rank keeps its 1/k slice of the unit, and
       backward all-gathers inside its block of k ranks. A dict {unit name: value} sets it per
       unit ("<root>" is the root), or a callable (unit name, module) -> value, as in shard().
-    The returned Plan's docstring says what its peak estimate includes (activations are not).
+    - batch (per rank), seq: simulate one forward + backward at that size on the meta device
+      to include activations in the peak (Plan.step_bytes). Language models get input_ids of
+      (batch, seq) (and labels, decoder_input_ids where their forward takes them); any other
+      model needs example_inputs=fn(batch, seq) -> (args, kwargs) of meta tensors.
+      activation_checkpointing=True simulates shardkit.wrap.checkpoint_layers on every unit
+      below the root.
+    The returned Plan's docstring says what its peak includes.
     """
     if not isinstance(model, nn.Module):
         raise ShardkitError(f"plan() needs an nn.Module, got {type(model).__name__}")
@@ -108,8 +118,36 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     per_unit = dict(zip(names, resolve(reshard_after_forward, units, config, group)))
     rows, split, stats = _rows_and_traffic(units, names, per_unit, group, replicas, align,
                                            direct, config, n_states)
-    return _assemble(rows, split, stats, world, strat, group, replicas, align, optimizer, mp,
-                     bool(cpu_offload), prefetch)
+    result = _assemble(rows, split, stats, world, strat, group, replicas, align, optimizer, mp,
+                       bool(cpu_offload), prefetch)
+    if batch is None:
+        if seq is not None or activation_checkpointing or example_inputs is not None:
+            raise ShardkitError("seq, activation_checkpointing and example_inputs need batch= "
+                                "(the per-rank batch size to simulate)")
+        return result
+    step = simulate_step(model, _unit_buffers(units, rows, bool(cpu_offload)),
+                         _positive_int("batch", batch),
+                         1 if seq is None else _positive_int("seq", seq), example_inputs,
+                         mp.param_dtype, _checkpointed_classes(units) if activation_checkpointing
+                         else (), prefetch, direct)
+    grads_on_device = 0 if cpu_offload else result.persistent["grads"]  # the step makes them
+    return dataclasses.replace(result, batch=batch, seq=seq, step_bytes=step,
+                               activation_checkpointing=bool(activation_checkpointing),
+                               peak_bytes=result.persistent_device - grads_on_device + step)
+
+
+def _unit_buffers(units: list[UnitPlan], rows: list[UnitRow], cpu_offload: bool) -> list[UnitBuffers]:
+    """What the engine allocates per unit, for the simulated step (rows are in the units' order)."""
+    # A shard group of one gathers nothing: the shard is the parameter.
+    return [UnitBuffers(u.module, 0 if row.shard_numel == row.padded_numel else row.unsharded_bytes,
+                        row.reduce_bytes, 0 if cpu_offload else row.grad_shard_bytes,
+                        row.reshard_after_forward, root=(i == len(units) - 1))
+            for i, (u, row) in enumerate(zip(units, rows))]
+
+
+def _checkpointed_classes(units: list[UnitPlan]) -> tuple[type, ...]:
+    """The module classes of every unit below the root (what checkpoint_layers would be given)."""
+    return tuple(dict.fromkeys(type(u.module) for u in units[:-1]))
 
 
 def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[str, bool | int],
@@ -152,7 +190,13 @@ def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[st
             persistent_bytes=shard_bytes + trainable_shard * (1 + n_states),
             unsharded_bytes=sum(p.padded * p.compute_dtype.itemsize for p in params),
             grad_bytes=sum(p.numel * p.compute_dtype.itemsize for p in params if p.trainable),
-            reshard_after_forward=reshard))
+            reshard_after_forward=reshard,
+            # Direct buckets reduce-scatter straight out of the gradient: no flat input buffer.
+            reduce_bytes=sum(p.padded * p.reduce_dtype.itemsize
+                             for bucket in collective_buckets(trainable, lambda p: p.reduce_dtype,
+                                                              direct)
+                             if not bucket.direct for p in bucket.params),
+            grad_shard_bytes=trainable_shard))
     rows.reverse()  # the engine's unit order: bottom-up, root last
     return rows, split, stats
 

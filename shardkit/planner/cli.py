@@ -45,8 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=ENVIRONMENT_HELP,
         description="Build the model on the meta device (no memory, no download) and print "
                     "what shardkit.shard() would make of it: units, padded shards, persistent "
-                    "bytes per rank, the largest gathered unit, an estimated peak (activations "
-                    "not included) and the bytes each rank sends per step.")
+                    "bytes per rank, the largest gathered unit, the peak (with --batch/--seq: "
+                    "activations included, simulated on meta) and the bytes each rank sends per "
+                    "step.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("target", nargs="?", metavar="MODULE:FACTORY",
                      help="a callable returning an nn.Module (called under torch.device('meta'))")
@@ -71,6 +72,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    metavar="default|true|false|K")
     p.add_argument("--backend", default=None,
                    help="take the shard alignment from this backend's capabilities")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="per-rank batch: simulate one forward + backward on the meta device so "
+                        "the peak includes activations (token models: input_ids of batch x seq)")
+    p.add_argument("--seq", type=positive_int, default=None, help="tokens per sample (with --batch)")
+    p.add_argument("--ac", action="store_true",
+                   help="with --batch: activation checkpointing on every unit below the root "
+                        "(shardkit.wrap.checkpoint_layers)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=run)
     return p
@@ -99,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
                   mixed_precision=mixed_precision(args.mixed_precision), cpu_offload=args.cpu_offload,
                   optimizer=args.optimizer, hybrid_group_size=args.hybrid_group_size,
                   backend=args.backend, prefetch=args.prefetch,
-                  reshard_after_forward=args.reshard_after_forward)
+                  reshard_after_forward=args.reshard_after_forward, batch=args.batch,
+                  seq=args.seq, activation_checkpointing=args.ac)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

@@ -21,6 +21,8 @@ class UnitRow:
     unsharded_bytes: int  # the gathered unit (padded flat buffers) in compute dtype
     grad_bytes: int  # the unit's full-size gradients in compute dtype during backward
     reshard_after_forward: bool | int  # what happens after forward: True, False or group of k
+    reduce_bytes: int = 0  # the flat reduce-scatter input of its trainable gradients
+    grad_shard_bytes: int = 0  # the reduced gradient shard each rank keeps
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,13 @@ class Plan:
     gathered params' place) + what the other units keep between forward and backward
     (SHARD_GRAD_OP / reshard_after_forward=False: the whole unsharded unit; an int k: its 1/k
     slice). Activations, autograd temporaries and allocator fragmentation are NOT included.
+
+    Given a batch (plan(..., batch=, seq=)), `step_bytes` is instead what one forward + backward
+    adds above the persistent state at its high-water mark, simulated on the meta device
+    (shardkit/planner/activations.py: activations, autograd temporaries, the loss, gathered
+    units, full-size gradients until reduced, activation checkpointing's recomputation), and
+    `peak_bytes` = persistent device bytes + `step_bytes`. Allocator fragmentation is not
+    included.
     """
 
     world_size: int
@@ -56,6 +65,10 @@ class Plan:
     largest_unit_bytes: int  # the transient the largest gathered unit adds
     peak_bytes: int  # see the class docstring for what it includes
     comm: dict[str, Any]  # bytes sent per rank per step, keyed like shardkit.comm_stats()
+    batch: int | None = None  # per rank, when the step was simulated
+    seq: int | None = None
+    activation_checkpointing: bool = False
+    step_bytes: int | None = None  # see the class docstring
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-friendly builtins (units as a list of dicts)."""
@@ -63,6 +76,18 @@ class Plan:
         out["param_dtype"] = self.param_dtype or None  # None: each parameter computes as stored
         out["units"] = [asdict(u) for u in self.units]
         return out
+
+    def _peak_line(self) -> str:
+        """The peak: with the simulated step when a batch was given, else without activations."""
+        if self.step_bytes is None:
+            return (f"estimated peak per rank: {_size(self.peak_bytes)} on the device (activations "
+                    "not included; give --batch and --seq to include them)")
+        shape = f"batch {self.batch}" + (f" x seq {self.seq}" if self.seq else "")
+        ac = ", activation checkpointing" if self.activation_checkpointing else ""
+        return (f"peak per rank at {shape}{ac}: {_size(self.peak_bytes)} on the device = "
+                f"shards and optimizer state {_size(self.peak_bytes - self.step_bytes)} + step "
+                f"{_size(self.step_bytes)} (activations, temporaries, gathered units, gradients; "
+                "simulated on meta)")
 
     def table(self) -> str:
         """A readable text table: one line per unit, then per-rank totals."""
@@ -84,8 +109,7 @@ class Plan:
                   f"{_size(p['grads'])} + optimizer {_size(p['optimizer'])} (device "
                   f"{_size(self.persistent_device)}, host {_size(self.persistent_host)})",
                   f"largest gathered unit: {self.largest_unit} ({_size(self.largest_unit_bytes)})",
-                  f"estimated peak per rank: {_size(self.peak_bytes)} on the device "
-                  "(activations not included)",
+                  self._peak_line(),
                   f"sent per rank per step: {_size(self.comm['total'])} = " + " + ".join(
                       f"{k} {_size(self.comm[k])} ({self.comm['calls'].get(k, 0)} calls)"
                       for k in COLLECTIVES)]

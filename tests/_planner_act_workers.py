@@ -1,0 +1,112 @@
+"""Measured peak memory of a sharded training step on CPU, for tests/test_planner_activations.py.
+
+"Measured" is torch's own CPU allocator accounting, read through the profiler (profile_memory:
+every allocation and free with the running total), not RSS: the high-water mark of one forward +
+backward, plus the parameter and optimizer shards alive before it (counted from the tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+MODELS = ("gpt2-small", "t5-small", "llama-tiny")
+
+
+def build(name: str) -> tuple[Callable[[], torch.nn.Module], type]:
+    """A factory for the model of that shape (transformers configs, no download) and its block."""
+    import transformers
+
+    if name == "gpt2-small":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        config = transformers.GPT2Config()  # 12 x 768, the GPT-2 small shape
+        return (lambda: transformers.GPT2LMHeadModel(config)), GPT2Block
+    if name == "t5-small":
+        from transformers.models.t5.modeling_t5 import T5Block
+
+        config = transformers.T5Config()  # 6 + 6 x 512, the t5-small shape
+        return (lambda: transformers.T5ForConditionalGeneration(config)), T5Block
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=32000)
+    return (lambda: transformers.LlamaForCausalLM(config)), LlamaDecoderLayer
+
+
+WINDOW = "shardkit_measured_window"
+
+
+def _events(prof: Any) -> list[dict]:
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)["traceEvents"]
+    finally:
+        os.remove(path)
+
+
+def allocation_peak(fn: Callable[[], None]) -> int:
+    """Most bytes torch's CPU allocator held at once during fn(), above what it held before."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max([0] + [e["args"]["Total Allocated"] for e in _events(prof)
+                      if e.get("name") == "[memory]"])
+
+
+def peak_in_window(prof: Any) -> tuple[int, int]:
+    """(held when the WINDOW range began, most held during it): the allocator's running total
+    counts everything allocated since profiling began, so start profiling before the model."""
+    events = _events(prof)
+    (window,) = [e for e in events if e.get("name") == WINDOW and e.get("ph") == "X"]
+    start, end = window["ts"], window["ts"] + window["dur"]
+    memory = sorted((e["ts"], e["args"]["Total Allocated"]) for e in events
+                    if e.get("name") == "[memory]")
+    before = [total for ts, total in memory if ts < start]
+    inside = [total for ts, total in memory if start <= ts <= end]
+    return (before[-1] if before else 0), max(inside)
+
+
+def token_kwargs(model: torch.nn.Module, ids: torch.Tensor) -> dict:
+    """input_ids and labels (and decoder_input_ids for an encoder-decoder), as HF users train."""
+    # The decoder cache breaks checkpointing's recomputation: training runs without it.
+    extra = ({"decoder_input_ids": ids, "use_cache": False} if model.config.is_encoder_decoder
+             else {})
+    return {"input_ids": ids, "labels": ids, **extra}
+
+
+def measured_peak(rank: int, name: str, batch: int, seq: int, ac: bool) -> dict:
+    """Bytes held when a training step begins and at its high-water mark, on this rank.
+
+    One case per process: a second profiling session in one process counted the first one's
+    leftovers again (150 MiB too many "held" for llama-tiny)."""
+    import shardkit
+    from shardkit.wrap import checkpoint_layers, transformer_layers
+    from torch.autograd.profiler import record_function
+
+    make, block = build(name)
+    # Profiled from before the model exists, so the allocator's running total is everything this
+    # run holds: shards, optimizer state, kept buffers, the step's own tensors.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.manual_seed(0)
+        model = shardkit.shard(make(), auto_wrap_policy=transformer_layers({block}))
+        if ac:
+            checkpoint_layers(model, block)
+        opt = torch.optim.AdamW(model.parameters())
+        ids = torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(rank))
+        kwargs = token_kwargs(model, ids)
+        model(**kwargs).loss.backward()
+        opt.step()
+        opt.zero_grad()  # set_to_none: the next step makes its gradient shards anew
+        with record_function(WINDOW):
+            model(**kwargs).loss.backward()
+    held_before, peak = peak_in_window(prof)
+    return {"held_before": held_before, "peak": peak}
