@@ -82,6 +82,8 @@ def test_help_lists_the_environment_and_v():
         assert "SHARDKIT_TIMEOUT=SECONDS" in sub.stdout, sub.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.long
 def test_v_after_the_command_logs_what_shardkit_decides(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("SHARDKIT_LOG", None)
@@ -103,7 +105,8 @@ def test_launch_v_sets_the_log_level_for_every_rank():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("after", [0.3, 4.0, pytest.param(9.0, marks=pytest.mark.long)])
+@pytest.mark.parametrize("after", [0.3, pytest.param(4.0, marks=pytest.mark.long),
+                                   pytest.param(9.0, marks=pytest.mark.long)])
 def test_ctrl_c_ends_the_demo_quietly_with_130(after, tmp_path):
     # Ctrl-C in a terminal signals the whole foreground process group: the command, the
     # forkserver and every rank. Sent while starting, while ranks import and while training.

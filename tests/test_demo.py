@@ -109,9 +109,9 @@ def test_two_rank_full_shard_demo_learns_and_prints_consistent_memory(capfd):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, nproc, group", [("SHARD_GRAD_OP", 2, None),
-                                                    ("NO_SHARD", 2, None),
-                                                    ("HYBRID_SHARD", 4, 2)])
+@pytest.mark.parametrize("strategy, nproc, group", [
+    ("SHARD_GRAD_OP", 2, None), ("NO_SHARD", 2, None),
+    pytest.param("HYBRID_SHARD", 4, 2, marks=pytest.mark.long)])  # 4 ranks: 10 s
 def test_the_strategies_differ_in_what_a_rank_holds_and_sends(strategy, nproc, group):
     from shardkit.demo.config import DemoConfig
     from shardkit.demo.train import run_demo

@@ -49,6 +49,7 @@ def test_ddp_replicate_example_learns():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_mnist_example_learns_and_saves_the_full_model(tmp_path):
     saved = tmp_path / "mnist_cnn.pt"
     out = run_example("mnist_fsdp", "--backend", "cpu", "--nproc", "2", "--epochs", "2",
@@ -78,6 +79,7 @@ def _epochs(out: str) -> list[tuple[float, float]]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_transformer_example_learns_in_bf16_and_saves_a_full_checkpoint(tmp_path):
     saved = tmp_path / "best.pt"
     out = run_example("transformer_fsdp", "--backend", "cpu", "--nproc", "2", "--epochs", "2",

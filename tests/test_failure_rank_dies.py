@@ -55,7 +55,10 @@ def _record(case: tuple, times: dict[int, float]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,strategy,kind,phase,victim", CASES,
+# The 4-rank cases run in the long lane (they cost the default run ~18 s).
+@pytest.mark.parametrize("world,strategy,kind,phase,victim",
+                         [pytest.param(*c, marks=pytest.mark.long) if c[0] == 4 else c
+                          for c in CASES],
                          ids=[f"{w}-{s}-{k}-{p}-r{v}" for w, s, k, p, v in CASES])
 def test_survivors_exit_naming_the_failed_rank(tmp_path, world, strategy, kind, phase, victim):
     mark = str(tmp_path / "failed_at")
@@ -158,7 +161,7 @@ LAUNCHED = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["raise", "kill"])
+@pytest.mark.parametrize("kind", ["raise", pytest.param("kill", marks=pytest.mark.long)])
 def test_shardkit_launch_exits_non_zero_with_the_culprit(tmp_path, kind):
     script = tmp_path / "train.py"
     script.write_text(LAUNCHED.format(tests=str(ROOT / "tests")))

@@ -68,7 +68,8 @@ def _env() -> dict[str, str]:
 # signal when it dies (SIGKILL is the case torchrun cannot handle; SIGTERM it forwards itself).
 @pytest.mark.slow
 @pytest.mark.parametrize("how,sig", [("spawn", signal.SIGTERM), ("spawn", signal.SIGKILL),
-                                     ("launch", signal.SIGKILL)],
+                                     pytest.param("launch", signal.SIGKILL,
+                                                  marks=pytest.mark.long)],
                          ids=["spawn-SIGTERM", "spawn-SIGKILL", "launch-SIGKILL"])
 def test_ranks_end_when_their_launching_process_is_signalled(tmp_path, how, sig):
     script = tmp_path / "train.py"

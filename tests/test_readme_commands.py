@@ -45,6 +45,7 @@ def test_the_quick_start_is_examples_quickstart_verbatim():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_quick_start_runs_as_the_readme_says(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",

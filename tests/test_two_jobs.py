@@ -121,6 +121,7 @@ def test_a_second_job_on_a_taken_port_fails_fast_and_the_first_trains_on(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.long  # waits out its 4 s store timeout, then more
 def test_a_rank_whose_store_never_opens_fails_within_the_timeout(tmp_path, ranks):
     port = free_port()  # nothing listens there: this job's rank 0 never started
     (lonely,) = [Rank(1, 2, port, tmp_path, "c", SHARDKIT_TIMEOUT="4")]
