@@ -58,8 +58,14 @@ def allocation_peak(fn: Callable[[], None]) -> int:
     """Most bytes torch's CPU allocator held at once during fn(), above what it held before."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    return max([0] + [e["args"]["Total Allocated"] for e in _events(prof)
-                      if e.get("name") == "[memory]"])
+    memory = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"])
+                    for e in _events(prof) if e.get("name") == "[memory]")
+    if not memory:
+        return 0
+    # The running total also counts what an earlier profiling session in this process left
+    # allocated: measure from what was held just before the first event.
+    held_before = memory[0][1] - memory[0][2]
+    return max(total for _, total, _ in memory) - held_before
 
 
 def peak_in_window(prof: Any) -> tuple[int, int]:
@@ -76,14 +82,14 @@ def peak_in_window(prof: Any) -> tuple[int, int]:
 
 
 def token_kwargs(model: torch.nn.Module, ids: torch.Tensor) -> dict:
-    """input_ids and labels (and decoder_input_ids for an encoder-decoder), as HF users train."""
-    # The decoder cache breaks checkpointing's recomputation: training runs without it.
-    extra = ({"decoder_input_ids": ids, "use_cache": False} if model.config.is_encoder_decoder
-             else {})
-    return {"input_ids": ids, "labels": ids, **extra}
+    """input_ids and labels (and decoder_input_ids for an encoder-decoder), as HF users train:
+    without the generation cache (HF's Trainer turns it off under gradient checkpointing)."""
+    extra = {"decoder_input_ids": ids} if model.config.is_encoder_decoder else {}
+    return {"input_ids": ids, "labels": ids, "use_cache": False, **extra}
 
 
-def measured_peak(rank: int, name: str, batch: int, seq: int, ac: bool) -> dict:
+def measured_peak(rank: int, name: str, batch: int, seq: int, ac: bool,
+                  strategy: str = "FULL_SHARD") -> dict:
     """Bytes held when a training step begins and at its high-water mark, on this rank.
 
     One case per process: a second profiling session in one process counted the first one's
@@ -97,7 +103,8 @@ def measured_peak(rank: int, name: str, batch: int, seq: int, ac: bool) -> dict:
     # run holds: shards, optimizer state, kept buffers, the step's own tensors.
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(0)
-        model = shardkit.shard(make(), auto_wrap_policy=transformer_layers({block}))
+        model = shardkit.shard(make(), auto_wrap_policy=transformer_layers({block}),
+                               strategy=strategy)
         if ac:
             checkpoint_layers(model, block)
         opt = torch.optim.AdamW(model.parameters())

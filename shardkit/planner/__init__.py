@@ -3,7 +3,9 @@
 Layout: build (`plan()`: units from the engine's plan_units, padding from its shard_layout, bytes
 recorded into its CommStats), result (the frozen `Plan` / `UnitRow` and their text table and
 JSON form), optimizers (state tensors per parameter), models (building a model on the meta
-device from a `module:factory` or a transformers config), cli (`shardkit plan`).
+device from a `module:factory` or a transformers config), activations (one step recorded on
+meta), replay (that recording replayed per configuration and batch), workload (recordings kept
+for reuse), fit (the largest batch / fewest ranks in a memory budget), cli (`shardkit plan`).
 """
 
 from importlib import import_module
@@ -11,10 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .build import plan
+    from .fit import Fit, fit_table, largest_batch, smallest_world_size
     from .result import Plan, UnitRow
 
 # Imported on first use: the `shardkit plan` parser (and its --help) needs no torch.
-_LAZY = {"plan": ".build", "Plan": ".result", "UnitRow": ".result"}
+_LAZY = {"plan": ".build", "Plan": ".result", "UnitRow": ".result", "Fit": ".fit",
+         "fit_table": ".fit", "largest_batch": ".fit", "smallest_world_size": ".fit"}
 
 
 def __getattr__(name: str) -> Any:
@@ -24,4 +28,4 @@ def __getattr__(name: str) -> Any:
     return getattr(import_module(_LAZY[name], __name__), name)
 
 
-__all__ = ["Plan", "UnitRow", "plan"]
+__all__ = ["Fit", "Plan", "UnitRow", "fit_table", "largest_batch", "plan", "smallest_world_size"]

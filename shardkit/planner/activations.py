@@ -4,13 +4,16 @@ Activations are the largest term of a transformer's peak and depend on everythin
 (attention layout, the loss, which ops save what), so they are not estimated from a formula: the
 model's forward and backward run on the meta device, where ops compute shapes and nothing is
 allocated, and every tensor an op creates is tracked until its storage dies (``LiveBytes``).
-The engine's own buffers are stood in for by meta placeholders created and dropped where the
-engine creates and frees them: a unit's gathered parameters (before its forward, with `prefetch`
-units ahead; after forward kept whole, kept as a 1/k slice or dropped by
-reshard_after_forward; again before its backward), the root unit gathered throughout, and after
-a unit's backward the flat reduce-scatter input, while the full-size gradients autograd made are
-dropped as the engine drops them. Activation checkpointing wraps each unit as
-``shardkit.wrap.checkpoint_layers`` does, so its recomputation is simulated, not assumed.
+On meta, `scaled_dot_product_attention` would fall back to its math path and keep the
+(seq x seq) scores; on CPU and GPU torch runs a fused kernel that keeps only the output and a
+log-sum-exp, so the simulation calls the fused op (``FusedAttention``) to count what runs.
+Hooks on the units mark where the engine gathers a unit (before its forward, with `prefetch`
+units ahead; again before its backward), reshards it after forward, and after its backward
+releases it, reduces and keeps a gradient shard; the full-size gradients autograd made are
+dropped there as the engine drops them. The engine's buffers themselves are added by the replay
+(replay.py), so one recording serves every strategy, world size and offload. Activation
+checkpointing wraps each unit as ``shardkit.wrap.checkpoint_layers`` does, so its recomputation
+is simulated, not assumed.
 
 On CPU the simulated high-water mark equals what torch's allocator reports for the same unsharded
 step (tests/test_planner_activations.py); for the sharded step it is checked against a measured
@@ -19,35 +22,43 @@ step (tests/test_planner_activations.py); for the sharded step it is checked aga
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import dataclasses
 import functools
 import inspect
+import sys
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable
+from unittest import mock
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
 from ..errors import ShardkitError
+from .replay import AFTER_FORWARD, ALLOC, FREE, GATHER, KEEP, REDUCE, RELEASE, StepRecord
 
 InputsFn = Callable[[int, int], tuple[tuple, dict]]
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes of every tensor storage an op created that is still alive, and their maximum."""
+    """Bytes of every tensor storage an op created that is still alive, and their maximum.
 
-    def __init__(self, ignore: set[int]) -> None:
+    With `events` given, each allocation appends ("alloc", nbytes) and each free ("free", n),
+    n numbering the allocations in order (see replay.py)."""
+
+    def __init__(self, ignore: set[int], events: list[tuple] | None = None) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.events = events
         self._ignore = ignore  # storages that exist before the step (parameters)
         self._alive: dict[int, weakref.ref] = {}
+        self._allocations = 0
 
     def track(self, tensor: torch.Tensor) -> None:
         """Count `tensor`'s storage from now until it is freed (once, however many views share it)."""
@@ -58,12 +69,18 @@ class LiveBytes(TorchDispatchMode):
         nbytes = storage.nbytes()
         self.live += nbytes
         self.peak = max(self.peak, self.live)
+        number = self._allocations
+        self._allocations += 1
+        if self.events is not None:
+            self.events.append((ALLOC, nbytes))
         # Storages keep their Python object while alive, so the weakref dies with the storage.
-        self._alive[key] = weakref.ref(storage, functools.partial(self._freed, key, nbytes))
+        self._alive[key] = weakref.ref(storage, functools.partial(self._freed, key, nbytes, number))
 
-    def _freed(self, key: int, nbytes: int, _ref: object = None) -> None:
+    def _freed(self, key: int, nbytes: int, number: int, _ref: object = None) -> None:
         if self._alive.pop(key, None) is not None:
             self.live -= nbytes
+            if self.events is not None:
+                self.events.append((FREE, number))
 
     @override
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -75,22 +92,50 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-@dataclass
-class UnitBuffers:
-    """What the engine allocates for one unit: sizes in bytes and when it frees them."""
+class FusedAttention(TorchFunctionMode):
+    """Route scaled_dot_product_attention to the fused kernel's op, as torch does off meta."""
 
-    module: nn.Module
-    gathered_bytes: int  # the unit's parameters gathered, in the compute dtype
-    reduce_bytes: int  # the flat reduce-scatter input of its trainable gradients
-    grad_shard_bytes: int  # the reduced gradient shard it keeps (0 when offloaded to the host)
-    reshard_after_forward: bool | int
-    root: bool = False
+    @override
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        """Call the fused attention op in place of the math fallback meta would take."""
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or _math_path(args, kwargs):
+            return func(*args, **kwargs)
+        return _fused_attention(*args, **kwargs)
+
+
+def _math_path(args: tuple, kwargs: dict) -> bool:
+    """Whether torch's CPU attention takes the math path (what the fused kernel cannot do):
+    a mask that needs a gradient (T5's learned position bias) or attention dropout (GPT-2's).
+    GPU flash kernels run dropout fused, so there a model with attention dropout keeps less."""
+    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+    return bool(getattr(mask, "requires_grad", False)) or dropout > 0
+
+
+def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                     is_causal: bool = False, scale: float | None = None,
+                     enable_gqa: bool = False) -> torch.Tensor:
+    # The fused kernel shares key/value heads among query heads itself (grouped-query
+    # attention), as it does off meta: no repeated copies.
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+def _with_fused_attention(forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with FusedAttention():
+            return forward(*args, **kwargs)
+    return run
 
 
 def token_inputs(model: nn.Module) -> InputsFn:
-    """Inputs for a language model: input_ids, and labels where the forward takes them (HF);
-    an encoder-decoder also gets decoder_input_ids and use_cache=False (its decoder cache
-    breaks recomputation under activation checkpointing, so training runs without it)."""
+    """Inputs for a language model as a training step calls it: input_ids, labels where the
+    forward takes them (HF), decoder_input_ids for an encoder-decoder, and use_cache=False (the
+    key/value cache is for generation: kept, it holds every layer's keys and values to the end
+    of the step, which defeats activation checkpointing; HF's Trainer turns it off too)."""
     accepted = inspect.signature(model.forward).parameters
 
     def make(batch: int, seq: int) -> tuple[tuple, dict]:
@@ -100,12 +145,27 @@ def token_inputs(model: nn.Module) -> InputsFn:
         kwargs: dict[str, Any] = {"input_ids": ids}
         if "decoder_input_ids" in accepted:
             kwargs["decoder_input_ids"] = ids
-            if "use_cache" in accepted:
-                kwargs["use_cache"] = False
+        if "use_cache" in accepted:
+            kwargs["use_cache"] = False
         if "labels" in accepted:
             kwargs["labels"] = ids
         return (), kwargs
     return make
+
+
+@contextlib.contextmanager
+def unpacked_sequences() -> Iterator[None]:
+    """Tell transformers' masks the batch holds no packed sequences without reading positions.
+
+    Without a cache, HF decoders look for several sequences packed into one row by reading the
+    position ids (`.all()` on a tensor), which meta cannot answer; the simulated ids are one
+    sequence per row, so the answer is known: none are packed."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    with mock.patch.object(masking, "find_packed_sequence_indices", lambda *args, **kwargs: None):
+        yield
 
 
 def _loss(output: Any) -> torch.Tensor:
@@ -122,57 +182,37 @@ def _loss(output: Any) -> torch.Tensor:
     return F.cross_entropy(flat, torch.zeros(flat.shape[0], dtype=torch.long, device="meta"))
 
 
-class _Engine:
-    """Meta placeholders standing in for the engine's gathered and reduce buffers, unit by unit."""
+class _Recorder:
+    """Marks the engine's moments among the step's events, and drops gradients where it does."""
 
-    def __init__(self, units: list[UnitBuffers], tracker: LiveBytes, prefetch: int,
-                 direct_numel: int | None) -> None:
-        self.units, self.tracker, self.prefetch = units, tracker, prefetch
+    def __init__(self, modules: list[nn.Module], events: list[tuple], direct_numel: int | None) -> None:
+        self.modules, self.events = modules, events  # units in the engine's order, root last
         self.direct_numel = direct_numel  # Capabilities.direct_collective_numel
-        self.in_flight: list[torch.Tensor] = []  # the reduce input of the last reduced unit
-        self.gathered: dict[int, torch.Tensor] = {}
+        self.in_flight: list[torch.Tensor] = []  # direct gradients of the last reduced unit
         self.pending: dict[int, int] = {}  # unit -> its trainable parameters
         self.ready: dict[int, list[nn.Parameter]] = {}  # unit -> those with a gradient so far
-        self.kept: list[torch.Tensor] = []  # gradient shards: they outlive the step
         self.handles: list[Any] = []
-
-    def _placeholder(self, nbytes: int) -> torch.Tensor:
-        t = torch.empty(nbytes, dtype=torch.uint8, device="meta")
-        self.tracker.track(t)
-        return t
-
-    def _gather(self, order: list[int]) -> None:
-        for i in order[:1 + self.prefetch]:
-            if self.gathered.get(i) is None or self.gathered[i].numel() < self.units[i].gathered_bytes:
-                self.gathered[i] = self._placeholder(self.units[i].gathered_bytes)
 
     def install(self) -> None:
         """Hook every unit's module; `remove` takes the hooks off again."""
-        forward_order = list(range(len(self.units)))
-        for i, unit in enumerate(self.units):
-            later = [j for j in forward_order if j >= i and not self.units[j].root]
-            earlier = [j for j in reversed(forward_order) if j <= i and not self.units[j].root]
-            ahead = [i] + [j for j in later if j != i] if not unit.root else [i]
-            behind = [i] + [j for j in earlier if j != i] if not unit.root else [i]
+        root = len(self.modules) - 1
+        for i, module in enumerate(self.modules):
+            # Gather order: this unit, then (with prefetch) the next ones in forward, the
+            # previous ones in backward; the root stays gathered and is never prefetched.
+            ahead = (i,) if i == root else tuple(range(i, root))
+            behind = tuple(range(i, -1, -1))
             self.handles += [
-                unit.module.register_forward_pre_hook(lambda *_, o=ahead: self._gather(o)),
-                unit.module.register_forward_hook(lambda *_, i=i: self._after_forward(i)),
+                module.register_forward_pre_hook(lambda *_, o=ahead: self.events.append((GATHER, o))),
+                module.register_forward_hook(lambda *_, i=i: self.events.append((AFTER_FORWARD, i))),
             ]
-            if not unit.root:  # the root stays gathered (and its output may be no tensor)
-                self.handles.append(unit.module.register_full_backward_pre_hook(
-                    lambda *_, o=behind: self._gather(o)))
-            trainable = [p for p in _own_params(unit.module, self.units) if p.requires_grad]
+            if i != root:  # the root stays gathered (and its output may be no tensor)
+                self.handles.append(module.register_full_backward_pre_hook(
+                    lambda *_, o=behind: self.events.append((GATHER, o))))
+            trainable = [p for p in _own_params(module, self.modules) if p.requires_grad]
             self.pending[i] = len(trainable)
             for p in trainable:
                 self.handles.append(p.register_post_accumulate_grad_hook(
                     lambda p, i=i: self._grad_ready(i, p)))
-
-    def _after_forward(self, i: int) -> None:
-        unit = self.units[i]
-        if unit.root or unit.reshard_after_forward is False:
-            return
-        kept = 0 if unit.reshard_after_forward is True else unit.gathered_bytes // unit.reshard_after_forward
-        self.gathered[i] = self._placeholder(kept) if kept else None  # type: ignore[assignment]
 
     def _grad_ready(self, i: int, param: nn.Parameter) -> None:
         self.ready.setdefault(i, []).append(param)
@@ -182,15 +222,16 @@ class _Engine:
         # previous unit's reduction (its input dies), pack this unit's gradients into a reduce
         # input (large parameters reduce straight out of their gradient instead), which lives
         # until the next unit's post-backward; only the reduced shard stays.
-        self.gathered[i] = None  # type: ignore[assignment]
+        self.events.append((RELEASE, i))
         self.in_flight = []
-        inputs = [self._placeholder(self.units[i].reduce_bytes)]
+        self.events.append((REDUCE, i))
+        direct = []
         for p in self.ready.pop(i):
             if self.direct_numel is not None and p.numel() >= self.direct_numel:
-                inputs.append(p.grad)  # type: ignore[arg-type]
+                direct.append(p.grad)
             p.grad = None
-        self.kept.append(self._placeholder(self.units[i].grad_shard_bytes))
-        self.in_flight = inputs
+        self.events.append((KEEP, i))
+        self.in_flight = direct  # type: ignore[assignment]
 
     def remove(self) -> None:
         """Take every hook off."""
@@ -198,22 +239,20 @@ class _Engine:
             handle.remove()
 
 
-def _own_params(module: nn.Module, units: list[UnitBuffers]) -> list[nn.Parameter]:
+def _own_params(module: nn.Module, modules: list[nn.Module]) -> list[nn.Parameter]:
     """The parameters of `module` that no nested unit claims (each distinct parameter once)."""
-    nested = {id(p) for u in units if u.module is not module
-              and any(u.module is m for m in module.modules())
-              for p in u.module.parameters()}
+    inside = {id(m) for m in module.modules()}
+    nested = {id(p) for m in modules if m is not module and id(m) in inside for p in m.parameters()}
     return [p for p in module.parameters() if id(p) not in nested]
 
 
-def simulate_step(model: nn.Module, units: list[UnitBuffers], batch: int, seq: int,
-                  inputs: InputsFn | None, compute_dtype: torch.dtype | None,
-                  checkpoint_classes: tuple[type, ...], prefetch: int,
-                  direct_numel: int | None = None) -> int:
-    """Peak bytes one forward + backward of `model` adds to the parameter and optimizer shards.
+def record_step(model: nn.Module, units: list[nn.Module], batch: int, seq: int,
+                inputs: InputsFn | None, compute_dtype: torch.dtype | None,
+                checkpoint_classes: tuple[type, ...], direct_numel: int | None = None) -> StepRecord:
+    """Run one forward + backward of `model` on meta at (batch, seq) and record its events.
 
-    Gradient shards are counted here, as the step creates them (zero_grad(set_to_none=True),
-    torch's default, frees them before the step)."""
+    `units` are the engine's unit modules of `model` in its order, root last. Gradients are
+    dropped as the engine drops them; its own buffers are left to the replay (replay.py)."""
     from ..wrap import checkpoint_layers
 
     with torch.device("meta"):
@@ -224,15 +263,20 @@ def simulate_step(model: nn.Module, units: list[UnitBuffers], batch: int, seq: i
                 p.data = p.data.to(compute_dtype)
     index = {id(m): i for i, m in enumerate(model.modules())}
     twin_modules = list(twin.modules())
-    twin_units = [dataclasses.replace(u, module=twin_modules[index[id(u.module)]]) for u in units]
+    twin_units = [twin_modules[index[id(m)]] for m in units]
     if checkpoint_classes:
+        # Recomputation runs on autograd's thread, where the mode entered below is not active.
+        for layer in twin.modules():
+            if isinstance(layer, checkpoint_classes):
+                layer.forward = _with_fused_attention(layer.forward)
         checkpoint_layers(twin, checkpoint_classes)
     args, kwargs = (inputs or token_inputs(twin))(batch, seq)
-    tracker = LiveBytes({p.untyped_storage()._cdata for p in twin.parameters()})
-    engine = _Engine(twin_units, tracker, prefetch, direct_numel)
-    engine.install()
+    events: list[tuple] = []
+    tracker = LiveBytes({p.untyped_storage()._cdata for p in twin.parameters()}, events)
+    recorder = _Recorder(twin_units, events, direct_numel)
+    recorder.install()
     try:
-        with tracker:
+        with tracker, FusedAttention(), unpacked_sequences():
             _loss(twin(*args, **kwargs)).backward()
     except ShardkitError:
         raise
@@ -244,5 +288,5 @@ def simulate_step(model: nn.Module, units: list[UnitBuffers], batch: int, seq: i
             "batch= (the peak then leaves activations out), or pass example_inputs=fn(batch, seq) "
             "returning (args, kwargs) that the forward accepts") from exc
     finally:
-        engine.remove()
-    return tracker.peak
+        recorder.remove()
+    return StepRecord(batch, tuple(events))

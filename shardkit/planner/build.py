@@ -13,7 +13,6 @@ reduced).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
@@ -28,9 +27,11 @@ from ..sharding.plan import ParamPlan, UnitPlan, plan_units
 from ..sharding.policies import MixedPrecision, ShardConfig, ShardingStrategy
 from ..sharding.reshard import ReshardSpec, resolve, unit_label
 from ..wrap import WrapPolicy, as_policy
-from .activations import InputsFn, UnitBuffers, simulate_step
+from .activations import InputsFn
+from .replay import Timeline
 from .optimizers import state_tensors
 from .result import Plan, UnitRow
+from .workload import Workload, unit_sizes, with_step
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -39,7 +40,7 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-def _backend_facts(shard_alignment: int | None, backend: object) -> tuple[int, int | None]:
+def backend_facts(shard_alignment: int | None, backend: object) -> tuple[int, int | None]:
     """The shard alignment and Capabilities.direct_collective_numel of `backend` (or the defaults)."""
     if backend is not None:
         if shard_alignment is not None:
@@ -109,7 +110,7 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     # which a plan made off the cluster cannot know; the docstring says world_size is used.
     group = shard_group_size(strat, hybrid_group_size, world, world)
     replicas = world // group
-    align, direct = _backend_facts(shard_alignment, backend)
+    align, direct = backend_facts(shard_alignment, backend)
     units = plan_units(model, as_policy(auto_wrap_policy))
     if not any(u.params for u in units):
         raise ShardkitError(f"plan() got a model with no parameters ({type(model).__name__})")
@@ -125,29 +126,18 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
             raise ShardkitError("seq, activation_checkpointing and example_inputs need batch= "
                                 "(the per-rank batch size to simulate)")
         return result
-    step = simulate_step(model, _unit_buffers(units, rows, bool(cpu_offload)),
-                         _positive_int("batch", batch),
-                         1 if seq is None else _positive_int("seq", seq), example_inputs,
-                         mp.param_dtype, _checkpointed_classes(units) if activation_checkpointing
-                         else (), prefetch, direct)
-    grads_on_device = 0 if cpu_offload else result.persistent["grads"]  # the step makes them
-    return dataclasses.replace(result, batch=batch, seq=seq, step_bytes=step,
-                               activation_checkpointing=bool(activation_checkpointing),
-                               peak_bytes=result.persistent_device - grads_on_device + step)
+    batch = _positive_int("batch", batch)
+    workload = Workload(model, [u.module for u in units], None if seq is None else
+                        _positive_int("seq", seq), example_inputs, mp.param_dtype, direct)
+    return step_plan(result, workload.timeline(activation_checkpointing, batch), batch, seq,
+                     activation_checkpointing)
 
 
-def _unit_buffers(units: list[UnitPlan], rows: list[UnitRow], cpu_offload: bool) -> list[UnitBuffers]:
-    """What the engine allocates per unit, for the simulated step (rows are in the units' order)."""
-    # A shard group of one gathers nothing: the shard is the parameter.
-    return [UnitBuffers(u.module, 0 if row.shard_numel == row.padded_numel else row.unsharded_bytes,
-                        row.reduce_bytes, 0 if cpu_offload else row.grad_shard_bytes,
-                        row.reshard_after_forward, root=(i == len(units) - 1))
-            for i, (u, row) in enumerate(zip(units, rows))]
-
-
-def _checkpointed_classes(units: list[UnitPlan]) -> tuple[type, ...]:
-    """The module classes of every unit below the root (what checkpoint_layers would be given)."""
-    return tuple(dict.fromkeys(type(u.module) for u in units[:-1]))
+def step_plan(static: Plan, timeline: Timeline, batch: int, seq: int | None,
+              activation_checkpointing: bool) -> Plan:
+    """`static` with the peak of the recorded step at `batch` included."""
+    step = timeline.peak(unit_sizes(static.units, static.cpu_offload), static.prefetch, batch)
+    return with_step(static, step, batch, seq, activation_checkpointing)
 
 
 def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[str, bool | int],
@@ -160,23 +150,32 @@ def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[st
     def gathers(params: list[_Layout]) -> list:
         return collective_buckets(params, lambda p: p.compute_dtype, direct)
 
-    for params in layouts:  # forward: every unit is gathered once
+    calls: list[list[tuple[str, int, int]]] = [[] for _ in units]  # per unit, in issue order
+
+    def issue(unit: int, kind: str, nbytes: int, size: int) -> None:
+        getattr(stats, "all_gather" if kind.endswith("gather") else kind)(nbytes, size)
+        calls[unit].append((kind, nbytes, size))
+
+    for i, params in enumerate(layouts):  # forward: every unit is gathered once
         for bucket in gathers(params):
-            stats.all_gather(sum(p.shard for p in bucket.params) * bucket.dtype.itemsize, group)
-    for name, params in zip(reversed(names), reversed(layouts)):  # backward, root first
-        reshard = per_unit[name]
+            issue(i, "forward_gather", sum(p.shard for p in bucket.params) * bucket.dtype.itemsize,
+                  group)
+    for i in reversed(range(len(units))):  # backward, root first
+        params, reshard = layouts[i], per_unit[names[i]]
         for bucket in gathers(params):
             size = bucket.dtype.itemsize
             if reshard is True:
-                stats.all_gather(sum(p.shard for p in bucket.params) * size, group)
+                issue(i, "backward_gather", sum(p.shard for p in bucket.params) * size, group)
             elif reshard is not False:  # kept 1/k slices, gathered back inside k ranks
-                stats.all_gather(sum(p.padded // reshard for p in bucket.params) * size, reshard)
+                issue(i, "backward_gather", sum(p.padded // reshard for p in bucket.params) * size,
+                      reshard)
         trainable = [p for p in params if p.trainable]
         for bucket in collective_buckets(trainable, lambda p: p.reduce_dtype, direct):
             out_bytes = sum(p.shard for p in bucket.params) * bucket.dtype.itemsize
-            stats.reduce_scatter(out_bytes, group)
+            issue(i, "reduce_scatter", out_bytes, group)
             if replicas > 1:
-                stats.all_reduce(out_bytes, replicas)
+                issue(i, "all_reduce", out_bytes, replicas)
+        name = names[i]
         # Shards and the optimizer live in the master dtype; reduced grads are cast to it too.
         shard_bytes = sum(p.shard * p.master_bytes for p in params)
         trainable_shard = sum(p.shard * p.master_bytes for p in params if p.trainable)
@@ -196,7 +195,7 @@ def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[st
                              for bucket in collective_buckets(trainable, lambda p: p.reduce_dtype,
                                                               direct)
                              if not bucket.direct for p in bucket.params),
-            grad_shard_bytes=trainable_shard))
+            grad_shard_bytes=trainable_shard, collectives=tuple(calls[i])))
     rows.reverse()  # the engine's unit order: bottom-up, root last
     return rows, split, stats
 

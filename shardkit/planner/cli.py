@@ -11,6 +11,29 @@ from ..errors import ShardkitError
 from .optimizers import STATE_TENSORS_PER_PARAM
 
 PRECISION_NAMES = ("bf16", "fp16", "fp32")
+LINK_NAMES = ("nvlink", "ib", "ethernet")  # steptime.LINKS' keys, torch-free for the parser
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def memory_size(text: str) -> int:
+    """Parse a memory size: 80GiB, 80 GB (10^9), 81920MiB or plain bytes."""
+    number = text.strip().rstrip("bBiIkKmMgGtT ")
+    unit = text.strip()[len(number):].strip().lower() or "b"
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 80GiB, 80GB or 81920MiB, got {text!r} (units: "
+            f"{', '.join(['B', 'KB', 'MB', 'GB', 'TB', 'KiB', 'MiB', 'GiB', 'TiB'])})")
+    return int(value * _UNITS[unit])
+
+
+def world_size(text: str) -> int | str:
+    """A positive int, or "auto" (the fewest ranks that fit; needs --device-memory)."""
+    return "auto" if text.lower() == "auto" else positive_int(text)
 
 
 def mixed_precision(name: str) -> Any:
@@ -55,7 +78,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="a transformers model type (gpt2, llama, t5, ...) or a config.json path")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a --hf-config setting (repeatable), e.g. --set n_layer=24")
-    p.add_argument("--world-size", type=positive_int, required=True)
+    p.add_argument("--world-size", type=world_size, required=True, metavar="N|auto",
+                   help="ranks; auto: the fewest that fit --device-memory per rank (at --batch)")
+    p.add_argument("--device-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="memory per rank, e.g. 80GiB: without --batch, the largest batch that fits "
+                        "for each strategy, with and without --ac and --cpu-offload (needs --seq); "
+                        "with --batch, whether it fits")
     p.add_argument("--strategy", default="FULL_SHARD", type=str.upper,
                    choices=STRATEGY_NAMES)
     p.add_argument("--hybrid-group-size", type=positive_int, default=None,
@@ -79,6 +107,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ac", action="store_true",
                    help="with --batch: activation checkpointing on every unit below the root "
                         "(shardkit.wrap.checkpoint_layers)")
+    t = p.add_argument_group("step time at scale (alpha-beta model)")
+    t.add_argument("--step-time", metavar="FWD_MS[,BWD_MS[,OPT_MS]]", default=None,
+                   help="compute of one step at one rank (the per-rank batch): forward ms, "
+                        "backward ms (default 2 x forward), optimizer ms; prints the predicted "
+                        "step per world size of --scale")
+    t.add_argument("--scale", default="8,64,512,1024", metavar="N[,N...]",
+                   help="world sizes for --step-time (default 8,64,512,1024)")
+    t.add_argument("--link", default="ib", choices=sorted(LINK_NAMES),
+                   help="the link between nodes (default ib); inside a node: nvlink")
+    t.add_argument("--intra-link", default="nvlink", choices=sorted(LINK_NAMES))
+    t.add_argument("--ranks-per-node", type=positive_int, default=8)
+    t.add_argument("--link-gbps", type=float, default=None,
+                   help="measured bandwidth between nodes, GB/s per rank (overrides --link's)")
+    t.add_argument("--link-latency-us", type=float, default=None,
+                   help="measured latency per ring step between nodes, microseconds")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=run)
     return p
@@ -102,17 +145,114 @@ def run(args: argparse.Namespace) -> int:
         wrap_names = []
     if args.wrap is not None:
         wrap_names = args.wrap.split(",")
+    options = dict(auto_wrap_policy=wrap_by_class_names(model, wrap_names),
+                   mixed_precision=mixed_precision(args.mixed_precision), optimizer=args.optimizer,
+                   hybrid_group_size=args.hybrid_group_size, backend=args.backend,
+                   prefetch=args.prefetch)
+    heading = (f"model: {type(model).__name__}; units: "
+               f"{', '.join(sorted(wrap_names)) or 'the root module only'}")
+    if args.device_memory is not None or args.world_size == "auto":
+        return _fit(args, model, options, heading)
+    if args.step_time is not None:
+        return _step_time(args, model, options, heading)
     result = plan(model, world_size=args.world_size, strategy=args.strategy,
-                  auto_wrap_policy=wrap_by_class_names(model, wrap_names),
-                  mixed_precision=mixed_precision(args.mixed_precision), cpu_offload=args.cpu_offload,
-                  optimizer=args.optimizer, hybrid_group_size=args.hybrid_group_size,
-                  backend=args.backend, prefetch=args.prefetch,
-                  reshard_after_forward=args.reshard_after_forward, batch=args.batch,
-                  seq=args.seq, activation_checkpointing=args.ac)
+                  cpu_offload=args.cpu_offload, reshard_after_forward=args.reshard_after_forward,
+                  batch=args.batch, seq=args.seq, activation_checkpointing=args.ac, **options)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(f"model: {type(model).__name__}; units: "
-              f"{', '.join(sorted(wrap_names)) or 'the root module only'}")
+        print(heading)
         print(result.table())
+    return 0
+
+
+def _step_time(args: argparse.Namespace, model: Any, options: dict[str, Any], heading: str) -> int:
+    """--step-time: the alpha-beta model at each world size of --scale."""
+    import dataclasses
+
+    from .scale import scale_table, scale_text
+    from .steptime import LINKS, Topology
+
+    try:
+        parts = [float(v) / 1e3 for v in args.step_time.split(",")]
+        worlds = [positive_int(v) for v in args.scale.split(",")]
+    except (ValueError, argparse.ArgumentTypeError):
+        raise ShardkitError(f"--step-time takes FWD_MS[,BWD_MS[,OPT_MS]] and --scale N[,N...], got "
+                            f"{args.step_time!r} and {args.scale!r}") from None
+    if not 1 <= len(parts) <= 3 or min(parts) < 0:
+        raise ShardkitError(f"--step-time takes one to three non-negative ms values, got {args.step_time!r}")
+    forward = parts[0]
+    backward = parts[1] if len(parts) > 1 else 2 * forward
+    optimizer = parts[2] if len(parts) > 2 else 0.0
+    inter = LINKS[args.link]
+    if args.link_gbps is not None:
+        inter = dataclasses.replace(inter, name="given", bandwidth=args.link_gbps * 1e9)
+    if args.link_latency_us is not None:
+        inter = dataclasses.replace(inter, name="given", latency_s=args.link_latency_us * 1e-6)
+    topology = Topology(LINKS[args.intra_link], inter, args.ranks_per_node)
+    rows = scale_table(model, worlds, topology, forward, backward, optimizer,
+                       strategy=args.strategy, cpu_offload=args.cpu_offload,
+                       reshard_after_forward=args.reshard_after_forward, **options)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+        return 0
+    print(heading)
+    print(scale_text(rows, topology))
+    return 0
+
+
+def _fit(args: argparse.Namespace, model: Any, options: dict[str, Any], heading: str) -> int:
+    """--device-memory / --world-size auto: what fits, searched with the recorded step."""
+    from .fit import fit_table, largest_batch, smallest_world_size
+    from .result import _size
+
+    budget = args.device_memory
+    if budget is None:
+        raise ShardkitError("--world-size auto finds the fewest ranks that fit a memory budget: "
+                            "give --device-memory, e.g. --device-memory 80GiB")
+    one = dict(strategy=args.strategy, cpu_offload=args.cpu_offload,
+               activation_checkpointing=args.ac, seq=args.seq,
+               reshard_after_forward=args.reshard_after_forward, **options)
+    if args.world_size == "auto":
+        fits = [smallest_world_size(model, budget, args.batch, **one)]
+    elif args.batch is not None:
+        fits = [largest_batch(model, args.world_size, budget, **one)]
+    else:
+        if args.seq is None:
+            raise ShardkitError("--device-memory without --batch searches the batch per rank at a "
+                                "fixed sequence length: give --seq (tokens per sample), e.g. "
+                                "--seq 4096 (--seq 1 for a model without one)")
+        if args.reshard_after_forward is not None:
+            raise ShardkitError("the what-fits table compares strategies at their own "
+                                "--reshard-after-forward defaults: drop it, or give --batch to "
+                                "check one configuration")
+        strategies = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") + (
+            ("HYBRID_SHARD",) if args.hybrid_group_size else ())
+        fits = fit_table(model, args.world_size, budget, args.seq, strategies=strategies, **options)
+    if args.json:
+        print(json.dumps([f.to_dict() for f in fits], indent=2))
+        return 0
+    print(heading)
+    if args.world_size == "auto" or args.batch is not None:
+        fit = fits[0]
+        if args.batch is not None and args.world_size != "auto":
+            verdict = (f"batch {args.batch} fits" if fit.batch >= args.batch else
+                       f"batch {args.batch} does NOT fit; the largest that does is {fit.batch}")
+            print(f"{verdict} in {_size(budget)} per rank ({fit.summary()})")
+            if fit.batch < args.batch:
+                return 1
+        else:
+            print(f"fewest ranks: {fit.summary()}")
+        print(fit.plan.table())
+        return 0 if fit.fits else 1
+    shape = f"x seq {args.seq}" if args.seq else ""
+    print(f"largest batch per rank {shape} in {_size(budget)} per rank on {args.world_size} "
+          f"rank(s), {args.mixed_precision}, optimizer {args.optimizer}:")
+    print(f"{'strategy':<14} {'act. ckpt':<9} {'cpu_offload':<11} {'batch':>6} {'peak':>10}")
+    for fit in fits:
+        print(f"{fit.strategy:<14} {'yes' if fit.activation_checkpointing else 'no':<9} "
+              f"{'yes' if fit.cpu_offload else 'no':<11} {fit.batch:>6} "
+              f"{_size(fit.plan.peak_bytes):>10}")
+    print("batch 0: not even one sample fits (peak shown at batch 1). Each row is shardkit.plan "
+          "at that batch; one more sample goes over.")
     return 0

@@ -23,6 +23,10 @@ class UnitRow:
     reshard_after_forward: bool | int  # what happens after forward: True, False or group of k
     reduce_bytes: int = 0  # the flat reduce-scatter input of its trainable gradients
     grad_shard_bytes: int = 0  # the reduced gradient shard each rank keeps
+    # Its collectives in the order the engine issues them: (kind, bytes, group size); kind one of
+    # forward_gather, backward_gather, reduce_scatter, all_reduce; bytes as comm_stats counts
+    # them: a gather's input shard, a reduce-scatter's output shard, an all-reduce's buffer.
+    collectives: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,206 @@
+"""What fits before launch: the largest batch per rank, or the fewest ranks, in a memory budget.
+
+Every answer is a plan (shardkit.plan with batch=) at the edge: the batch (or world size) it
+returns fits in `device_memory` per rank and one more sample (or the next smaller world size
+tried) does not. The step is recorded on the meta device at batches 1 and 2 and replayed for
+every batch, strategy, offload and world size (replay.py): a table of twelve configurations
+costs four simulated steps, however large the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+from ..errors import ShardkitError
+from ..sharding.plan import plan_units
+from ..sharding.policies import ShardConfig
+from ..wrap import as_policy
+from .activations import InputsFn
+from .build import backend_facts, plan, step_plan
+from .replay import peak_at
+from .result import Plan, _size
+from .workload import Workload, fixed_bytes, unit_sizes
+
+TABLE_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What fits one configuration in `device_memory` bytes per rank, and the plan at that edge."""
+
+    device_memory: int
+    strategy: str
+    activation_checkpointing: bool
+    cpu_offload: bool
+    world_size: int | None  # None: no world size up to the search's limit fits
+    batch: int | None  # per rank; 0: not even one sample fits; None: no step simulated
+    plan: Plan  # at the answer; where nothing fits, at the smallest case tried (what is over)
+
+    @property
+    def fits(self) -> bool:
+        """Whether anything fits."""
+        return self.batch != 0 and self.world_size is not None
+
+    def summary(self) -> str:
+        """One line: the answer and the peak it reaches against the budget."""
+        how = (f"{self.strategy}{', activation checkpointing' if self.activation_checkpointing else ''}"
+               f"{', cpu_offload' if self.cpu_offload else ''}")
+        peak, budget = _size(self.plan.peak_bytes), _size(self.device_memory)
+        at = "" if self.plan.batch is None else f"batch {self.plan.batch} per rank "
+        scope = " (activations not included)" if self.plan.batch is None else ""
+        if not self.fits:
+            return (f"{how}: does not fit in {budget} per rank: needs {peak} at {at}on "
+                    f"{self.plan.world_size} rank(s){scope}")
+        return f"{how}: {at}on {self.world_size} rank(s), peak {peak} of {budget}{scope}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The answer as JSON-friendly builtins (the plan as Plan.to_dict)."""
+        return {"device_memory": self.device_memory, "strategy": self.strategy,
+                "activation_checkpointing": self.activation_checkpointing,
+                "cpu_offload": self.cpu_offload, "world_size": self.world_size, "batch": self.batch,
+                "fits": self.fits, "plan": self.plan.to_dict()}
+
+
+class _Fitter:
+    """One model and its recorded steps, asked about many configurations."""
+
+    def __init__(self, model: nn.Module, seq: int | None, example_inputs: InputsFn | None,
+                 options: dict[str, Any]) -> None:
+        for key in ("batch", "activation_checkpointing", "world_size", "strategy", "cpu_offload"):
+            if key in options:
+                raise ShardkitError(f"{key}= is chosen by the search's own arguments here")
+        self.model, self.seq, self.options = model, seq, options
+        config = ShardConfig.build("FULL_SHARD", options.get("mixed_precision"), False, 1, None)
+        units = plan_units(model, as_policy(options.get("auto_wrap_policy")))
+        _, direct = backend_facts(options.get("shard_alignment"), options.get("backend"))
+        self.workload = Workload(model, [u.module for u in units], seq, example_inputs,
+                                 config.mixed_precision.param_dtype, direct)
+
+    def static(self, world_size: int, strategy: str, cpu_offload: bool) -> Plan:
+        """The plan without a step (cheap: shapes only)."""
+        return plan(self.model, world_size, strategy=strategy, cpu_offload=cpu_offload,
+                    seq=None, **self.options)
+
+    def batch_peak(self, static: Plan, ac: bool) -> Callable[[int], int]:
+        """Peak per rank as a function of the batch, for one configuration."""
+        timeline = self.workload.timeline(ac)
+        points = timeline.high_points(unit_sizes(static.units, static.cpu_offload), static.prefetch)
+        fixed = fixed_bytes(static)
+
+        def peak(batch: int) -> int:
+            if timeline.valid_at(batch):
+                return fixed + peak_at(points, batch)
+            return step_plan(static, self.workload.timeline(ac, batch), batch, self.seq, ac).peak_bytes
+        return peak
+
+    def at(self, static: Plan, ac: bool, batch: int) -> Plan:
+        """The plan of `static` with the step at `batch` (exact: its own recording's replay)."""
+        timeline = self.workload.timeline(ac)
+        if not timeline.valid_at(batch):
+            timeline = self.workload.timeline(ac, batch)
+        return step_plan(static, timeline, batch, self.seq, ac)
+
+    def largest_batch(self, world_size: int, strategy: str, ac: bool, cpu_offload: bool,
+                      budget: int, max_batch: int) -> Fit:
+        static = self.static(world_size, strategy, cpu_offload)
+        best = _largest(self.batch_peak(static, ac), budget, max_batch)
+        return Fit(budget, static.strategy, ac, cpu_offload, world_size, best,
+                   self.at(static, ac, max(best, 1)))
+
+
+def _largest(peak: Callable[[int], int], budget: int, limit: int) -> int:
+    """The largest n <= limit with peak(n) <= budget (peak never decreases with n), or 0."""
+    if peak(1) > budget:
+        return 0
+    low, high = 1, 2
+    while high <= limit and peak(high) <= budget:
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if peak(mid) <= budget else (low, mid)
+    return low
+
+
+def _budget(device_memory: int) -> int:
+    if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 1:
+        raise ShardkitError(f"device_memory must be a positive number of bytes, got {device_memory!r}")
+    return device_memory
+
+
+def largest_batch(model: nn.Module, world_size: int, device_memory: int, seq: int | None = None, *,
+                  strategy: str = "FULL_SHARD", activation_checkpointing: bool = False,
+                  cpu_offload: bool = False, example_inputs: InputsFn | None = None,
+                  max_batch: int = 1 << 20, **options: Any) -> Fit:
+    """The largest per-rank batch whose planned peak fits in `device_memory` bytes per rank.
+
+    Other keyword arguments are shardkit.plan()'s (auto_wrap_policy, mixed_precision, ...)."""
+    fitter = _Fitter(model, seq, example_inputs, options)
+    return fitter.largest_batch(world_size, strategy, bool(activation_checkpointing),
+                                bool(cpu_offload), _budget(device_memory), max_batch)
+
+
+def fit_table(model: nn.Module, world_size: int, device_memory: int, seq: int | None = None, *,
+              strategies: tuple[str, ...] = TABLE_STRATEGIES, example_inputs: InputsFn | None = None,
+              max_batch: int = 1 << 20, **options: Any) -> list[Fit]:
+    """largest_batch for each strategy, without and with activation checkpointing and cpu_offload.
+
+    Each strategy runs with its own reshard_after_forward default."""
+    if "reshard_after_forward" in options:
+        raise ShardkitError("fit_table compares strategies at their own reshard_after_forward "
+                            "defaults; use largest_batch for one strategy with another setting")
+    fitter, budget = _Fitter(model, seq, example_inputs, options), _budget(device_memory)
+    return [fitter.largest_batch(world_size, strategy, ac, offload, budget, max_batch)
+            for strategy in strategies for ac in (False, True) for offload in (False, True)]
+
+
+def smallest_world_size(model: nn.Module, device_memory: int, batch: int | None = None,
+                        seq: int | None = None, *, strategy: str = "FULL_SHARD",
+                        activation_checkpointing: bool = False, cpu_offload: bool = False,
+                        example_inputs: InputsFn | None = None, max_world_size: int = 1 << 16,
+                        **options: Any) -> Fit:
+    """The fewest ranks whose planned peak per rank, at `batch` per rank, fits in `device_memory`.
+
+    Without a batch the peak leaves activations out (as plan() does). World sizes tried are
+    multiples of hybrid_group_size and of an int reshard_after_forward where given. Memory per
+    rank is taken to shrink as ranks are added (padding aside, sharding only divides it)."""
+    budget, ac = _budget(device_memory), bool(activation_checkpointing)
+    fitter = _Fitter(model, seq, example_inputs, options)
+    stride = math.lcm(*(v for v in (options.get("hybrid_group_size"),
+                                    options.get("reshard_after_forward"))
+                        if isinstance(v, int) and not isinstance(v, bool)), 1)
+    timeline = None if batch is None else fitter.workload.timeline(ac, batch)
+    plans: dict[int, Plan] = {}
+
+    def plan_at(multiple: int) -> Plan:
+        if multiple not in plans:
+            static = fitter.static(multiple * stride, strategy, bool(cpu_offload))
+            plans[multiple] = (static if timeline is None or batch is None
+                               else step_plan(static, timeline, batch, seq, ac))
+        return plans[multiple]
+
+    def over(multiple: int) -> int:  # 0 when it fits; never increases with more ranks
+        return max(plan_at(multiple).peak_bytes - budget, 0)
+
+    limit = max_world_size // stride
+    fits_at = _smallest_fitting(over, limit)
+    chosen = plan_at(fits_at if fits_at else max(plans))
+    return Fit(budget, chosen.strategy, ac, bool(cpu_offload),
+               fits_at * stride if fits_at else None, batch, chosen)
+
+
+def _smallest_fitting(over: Callable[[int], int], limit: int) -> int:
+    """The smallest m <= limit with over(m) == 0 (over never increases with m), or 0."""
+    low, high = 0, 1  # over(low) > 0 is known (low == 0 stands for "none tried")
+    while over(high) > 0:
+        if high >= limit:
+            return 0
+        low, high = high, min(high * 2, limit)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if over(mid) == 0 else (mid, high)
+    return high
