@@ -63,6 +63,9 @@ def _rank_main(local_rank: int, fn: Callable, nprocs: int, port: int, backend: A
                caller: _CallerState | None = None, caller_pid: int | None = None) -> None:
     from .parent_death import end_with_process
 
+    # Started with SIGINT blocked and ignored (_ctrl_c_left_to_caller): still ignored, but a
+    # handler the user's function installs must receive it.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     # A SIGTERM or SIGKILL of the caller must not leave this rank training as an orphan.
     if caller_pid is not None:
         end_with_process(caller_pid)
@@ -175,11 +178,16 @@ def _ctrl_c_left_to_caller() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be changed from the main thread
         return
+    # Blocked first: a Ctrl-C while the children start stays pending (Linux keeps a blocked
+    # signal even when ignored) and reaches the restored handler below, instead of being lost
+    # to SIG_IGN. Children inherit both; ranks unblock it at their start (_rank_main).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited through fork and exec
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _start_method(requested: str | None) -> str:

@@ -128,6 +128,7 @@ _NOTEBOOK_RANK = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_an_interactive_rank_gets_an_exception_instead_of_being_ended(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(_NOTEBOOK_RANK.format(tests=str(ROOT / "tests")))

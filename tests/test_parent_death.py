@@ -67,7 +67,8 @@ def _env() -> dict[str, str]:
 # Spawn's ranks watch the caller's pid (either signal); `shardkit launch`'s ask the kernel for a
 # signal when it dies (SIGKILL is the case torchrun cannot handle; SIGTERM it forwards itself).
 @pytest.mark.slow
-@pytest.mark.parametrize("how,sig", [("spawn", signal.SIGTERM), ("spawn", signal.SIGKILL),
+@pytest.mark.parametrize("how,sig", [pytest.param("spawn", signal.SIGTERM, marks=pytest.mark.long),
+                                     ("spawn", signal.SIGKILL),
                                      pytest.param("launch", signal.SIGKILL,
                                                   marks=pytest.mark.long)],
                          ids=["spawn-SIGTERM", "spawn-SIGKILL", "launch-SIGKILL"])

@@ -94,6 +94,7 @@ def _start_job(ranks: list, tag: str, world: int, port: int | None, tmp: Path, *
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_second_job_on_a_taken_port_fails_fast_and_the_first_trains_on(tmp_path, ranks):
     port = free_port()
     job_a = _start_job(ranks, "a", 2, port, tmp_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Any
 
@@ -77,6 +78,11 @@ def _route_through_post_backward(unit: ShardUnit, args: tuple, kwargs: dict) -> 
     return tree_unflatten(leaves, spec)
 
 
+# The engine's hooks run eagerly, never inside a compiled graph: they issue collectives, swap
+# parameters and keep Python state (dynamo would break the graph on each, and guard on buffers
+# that change identity every step: the recompile storm of issue 17). torch.compile(unit) calls
+# them around the compiled forward; a compiled parent that calls the unit breaks its graph here.
+@torch.compiler.disable
 def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict):
     """Gather the unit (waiting on a prefetch if one is in flight) and prefetch the next ones."""
     with trace_range(unit.trace_names["pre_forward"]):
@@ -97,6 +103,7 @@ def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: d
         return args, kwargs
 
 
+@torch.compiler.disable
 def post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
     """Put the sharded params back, reshard as the unit says (free / keep / 1/k), hook the outputs."""
     with trace_range(unit.trace_names["post_forward"]):
@@ -146,11 +153,19 @@ def install(unit: ShardUnit) -> list:
             lambda m, a, k, o, u=unit: post_forward(u, m, a, k, o), with_kwargs=True,
             always_call=False),
     ]
+    # module.compile() compiles the module's forward only, so its hooks stay outside the graph
+    # (Module.compile would compile __call__, hooks included).
+    module.compile = types.MethodType(_compile_forward, module)  # type: ignore[method-assign]
     if unit is unit.state.root_unit and unit.state.config.mixed_precision.output_dtype is not None:
         # Root only: inner units' outputs feed the root's own layers, which compute in param_dtype.
         handles.append(module.register_forward_hook(
             lambda m, a, k, o, u=unit: cast_outputs(u, m, a, k, o), with_kwargs=True))
     return handles + _guard_layers(unit)
+
+
+def _compile_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+    """torch.compile this unit's forward in place (the arguments are torch.compile's)."""
+    module.forward = torch.compile(module.forward, *args, **kwargs)
 
 
 def _guard_layers(unit: ShardUnit) -> list:

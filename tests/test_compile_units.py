@@ -1,0 +1,64 @@
+"""torch.compile the way users call it on sharded units (issue 17): block.compile() after shard()."""
+
+from __future__ import annotations
+
+import pytest
+
+import shardkit
+
+pytest.importorskip("transformers")
+
+from _compile_workers import CONFIGS, compiled_blocks
+
+BLOCKS = 3  # the workers' GPT-2 has three blocks
+
+
+def _check(results: dict, names: list[str]) -> None:
+    assert results["fsdp2:FULL_SHARD"]["breaks"] == 0  # torch's own, same model, block.compile()
+    assert results["fsdp2:FULL_SHARD"]["graphs"][-1] == BLOCKS
+    for name in names:
+        run = results[f"shardkit:{name}"]
+        fsdp2 = results["fsdp2:" + ("torch.compile(block)" if name == "torch.compile(block)"
+                                    else "FULL_SHARD")]
+        # Same numbers as eager (aot_eager runs the same kernels); bf16 within its precision.
+        assert run["compiled"] == pytest.approx(run["eager"], rel=1e-3 if name == "bf16" else 1e-6), name
+        # torch.compile(block) traces the block's __call__: the engine's two hooks are skipped
+        # there, which dynamo counts as a break each, at the graph's edges (FSDP2's hooks live in
+        # torch's own files, which dynamo skips without counting). block.compile(): none.
+        edges = 2 if name == "torch.compile(block)" else 0
+        assert run["breaks"] <= fsdp2["breaks"] + edges, (name, run["breaks"])
+        assert run["graphs"][-1] <= fsdp2["graphs"][-1], (name, run["graphs"])
+        assert run["graphs"][1] == run["graphs"][-1], (name, run["graphs"])  # no recompiles after step 2
+
+
+def test_block_compile_after_shard_has_no_breaks_and_no_recompiles():
+    # One rank here; every configuration at 1 and 2 ranks in the long lane below.
+    names = ["FULL_SHARD"]
+    for results in shardkit.spawn(compiled_blocks, 1, 1, names, True):
+        _check(results, names)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("world", [1, 2])
+def test_block_compile_every_configuration(world):
+    names = [n for n in CONFIGS if not (world == 1 and n == "reshard_to_2")]
+    for results in shardkit.spawn(compiled_blocks, world, world, names, True, threads_per_rank=1):
+        _check(results, names)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_whole_model_compile_runs_ten_steps_like_fsdp2():
+    # torch.compile(model) on the sharded model (it crashed in dynamo before the hooks were
+    # kept out of graphs): same losses as FSDP2 and as eager, no recompilation after the second
+    # step. Not yet FSDP2's graph count (issue 17 item 2 is open): printed, not asserted.
+    from _compile_workers import compiled_model
+
+    for result in shardkit.spawn(compiled_model, 2, 2, threads_per_rank=1):
+        ours, torchs = result["shardkit"], result["fsdp2"]
+        assert ours["compiled"] == pytest.approx(torchs["compiled"], rel=1e-6)
+        assert ours["compiled"][:5] == pytest.approx(result["eager"], rel=1e-6)
+        assert ours["graphs"][1] == ours["graphs"][-1]
+        print(f"graphs: shardkit {ours['graphs'][-1]}, FSDP2 {torchs['graphs'][-1]}; graph breaks: "
+              f"shardkit {ours['breaks']}, FSDP2 {torchs['breaks']}")
