@@ -47,6 +47,9 @@ class Capabilities:
     # one numerically. Empty: the engine sums and divides itself.
     exact_reduce_ops: frozenset[str] = frozenset()
     supported_dtypes: frozenset[torch.dtype] = field(default=FLOAT_DTYPES)
+    # Why torch.compile of a unit is refused on this device ("" where it is supported): a unit's
+    # .compile() and compile_layers raise it instead of compiling something that misbehaves.
+    compile_refusal: str = ""
     # How long a rank waits on a silent peer before failing when the user sets no timeout: an
     # accelerator job may keep peers waiting for minutes (first compile, autotune), a host job not.
     default_timeout: datetime.timedelta = datetime.timedelta(minutes=10)
@@ -76,4 +79,5 @@ class Capabilities:
             "exact_reduce_ops": sorted(self.exact_reduce_ops),
             "default_timeout_s": self.default_timeout.total_seconds(),
             "supported_dtypes": sorted(str(d).replace("torch.", "") for d in self.supported_dtypes),
+            "compile_refusal": self.compile_refusal,
         }

@@ -138,9 +138,15 @@ def compile_layers(model: nn.Module, classes: Iterable[type] | type,
     compiled region, so the compiled graph sees plain full-shape parameters and does not
     recompile between steps. Returns the modules compiled.
     """
+    from .sharding.hooks import compile_unit, unit_of
+
     layers = _instances(model, classes, "compile_layers")
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, **compile_kwargs)
+        unit = unit_of(layer)
+        if unit is not None:  # the device's compile backend where it needs one
+            compile_unit(unit, **compile_kwargs)
+        else:
+            layer.forward = torch.compile(layer.forward, **compile_kwargs)
     return layers
 
 

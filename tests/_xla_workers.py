@@ -244,3 +244,21 @@ def seeding_trials(rank: int, trials: int) -> list[dict]:
         model = shardkit.shard(model, auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
         out.append({"gathered": full_params(model), "own": own, "seeded": seeded_builds[trial]})
     return out
+
+
+def compile_refusals(rank: int) -> dict[str, str]:
+    """The error compiling a unit raises on XLA, by how: .compile(), compile_layers, openxla."""
+    _, model = reference_and_copy(seed=0)
+    model = shardkit.shard(model, auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+    block = next(m for m in model.modules() if isinstance(m, Block))
+    attempts = {"method": block.compile,
+                "compile_layers": lambda: shardkit.wrap.compile_layers(model, Block),
+                "openxla": lambda: block.compile(backend="openxla")}
+    out = {}
+    for how, attempt in attempts.items():
+        try:
+            attempt()
+            out[how] = "no error"
+        except shardkit.ShardkitError as exc:
+            out[how] = str(exc)
+    return out

@@ -122,5 +122,10 @@ def test_cli_step_time_table_and_errors(capsys):
     assert main(args + ["--step-time", "100", "--scale", "16", "--link-gbps", "1",
                         "--link-latency-us", "50"]) == 0
     assert "between: given 1.0 GB/s 50 us" in capsys.readouterr().out
+    assert main(args[:-1] + ["12", "--step-time", "100"]) == 0  # default scale: 8, 12, 64, 512, 1024
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()
+            if line.strip()[:1].isdigit()] == ["8", "12", "64", "512", "1024"]
     assert main(args + ["--step-time", "fast"]) == 1
     assert "--step-time takes FWD_MS" in capsys.readouterr().err
+    assert main(args + ["--step-time", "100", "--device-memory", "80GiB"]) == 1
+    assert "in a separate command" in capsys.readouterr().err

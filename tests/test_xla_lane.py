@@ -85,6 +85,16 @@ def test_engine_parity_two_devices():
     assert runs[0]["compiles"][2] == runs[0]["compiles"][-1], runs[0]["compiles"]
 
 
+def test_block_compile_on_xla_is_refused_with_the_reason():
+    # Measured before refusing: inductor fails inside dynamo; "openxla" compiled and trained on
+    # stale weights (parameters 0.04 from the reference after one step, 0.30 after five).
+    (messages,) = shardkit.spawn(_workers().compile_refusals, 1, backend="xla")
+    assert set(messages) == {"method", "compile_layers", "openxla"}
+    for how, message in messages.items():
+        assert message.startswith("torch.compile of a sharded unit is not supported on XLA"), how
+        assert "stale weights" in message and "HINT: drop .compile()" in message
+
+
 @pytest.mark.timeout(600)  # the first two steps compile every graph (minutes on a loaded 2-core box)
 def test_shard_grad_op_two_devices():
     _assert_parity(shardkit.spawn(_workers().engine_parity, 2, 2, "SHARD_GRAD_OP", "sgd",

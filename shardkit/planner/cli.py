@@ -112,8 +112,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="compute of one step at one rank (the per-rank batch): forward ms, "
                         "backward ms (default 2 x forward), optimizer ms; prints the predicted "
                         "step per world size of --scale")
-    t.add_argument("--scale", default="8,64,512,1024", metavar="N[,N...]",
-                   help="world sizes for --step-time (default 8,64,512,1024)")
+    t.add_argument("--scale", default=None, metavar="N[,N...]",
+                   help="world sizes for --step-time (default: --world-size, 8, 64, 512, 1024)")
     t.add_argument("--link", default="ib", choices=sorted(LINK_NAMES),
                    help="the link between nodes (default ib); inside a node: nvlink")
     t.add_argument("--intra-link", default="nvlink", choices=sorted(LINK_NAMES))
@@ -151,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
                    prefetch=args.prefetch)
     heading = (f"model: {type(model).__name__}; units: "
                f"{', '.join(sorted(wrap_names)) or 'the root module only'}")
+    if args.step_time is not None and (args.device_memory is not None or args.world_size == "auto"):
+        raise ShardkitError("--step-time predicts time at the world sizes of --scale; ask what "
+                            "fits (--device-memory, --world-size auto) in a separate command")
     if args.device_memory is not None or args.world_size == "auto":
         return _fit(args, model, options, heading)
     if args.step_time is not None:
@@ -175,7 +178,8 @@ def _step_time(args: argparse.Namespace, model: Any, options: dict[str, Any], he
 
     try:
         parts = [float(v) / 1e3 for v in args.step_time.split(",")]
-        worlds = [positive_int(v) for v in args.scale.split(",")]
+        worlds = (sorted({args.world_size, 8, 64, 512, 1024}) if args.scale is None
+                  else [positive_int(v) for v in args.scale.split(",")])
     except (ValueError, argparse.ArgumentTypeError):
         raise ShardkitError(f"--step-time takes FWD_MS[,BWD_MS[,OPT_MS]] and --scale N[,N...], got "
                             f"{args.step_time!r} and {args.scale!r}") from None

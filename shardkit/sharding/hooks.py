@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import types
 import weakref
 from typing import Any
 
@@ -155,7 +154,7 @@ def install(unit: ShardUnit) -> list:
     ]
     # module.compile() compiles the module's forward only, so its hooks stay outside the graph
     # (Module.compile would compile __call__, hooks included).
-    module.compile = types.MethodType(_compile_forward, module)  # type: ignore[method-assign]
+    module.compile = _compile_method(unit)  # type: ignore[method-assign]
     if unit is unit.state.root_unit and unit.state.config.mixed_precision.output_dtype is not None:
         # Root only: inner units' outputs feed the root's own layers, which compute in param_dtype.
         handles.append(module.register_forward_hook(
@@ -163,9 +162,20 @@ def install(unit: ShardUnit) -> list:
     return handles + _guard_layers(unit)
 
 
-def _compile_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-    """torch.compile this unit's forward in place (the arguments are torch.compile's)."""
-    module.forward = torch.compile(module.forward, *args, **kwargs)
+def _compile_method(unit: ShardUnit):
+    def compile(**kwargs: Any) -> None:
+        """torch.compile this unit's forward in place (keyword arguments are torch.compile's)."""
+        compile_unit(unit, **kwargs)
+    return compile
+
+
+def compile_unit(unit: ShardUnit, **kwargs: Any) -> None:
+    """torch.compile a unit's forward in place (keyword arguments are torch.compile's), unless the
+    backend's capabilities say its device cannot (Capabilities.compile_refusal)."""
+    refusal = unit.state.backend.capabilities.compile_refusal
+    if refusal:
+        raise ShardkitError(refusal)
+    unit.module.forward = torch.compile(unit.module.forward, **kwargs)
 
 
 def _guard_layers(unit: ShardUnit) -> list:
