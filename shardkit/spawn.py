@@ -163,16 +163,18 @@ def _start_ranks(method: str, rank_args: tuple) -> Any:
             return start()
     from multiprocessing import forkserver
 
-    with _ctrl_c_left_to_caller():  # ranks fork from the server and inherit what it started with
-        forkserver.ensure_running()
-    return start()  # the caller keeps Ctrl-C while the server imports torch
+    # The server ignores SIGINT from its first preloaded module on (shardkit/_ignore_ctrl_c.py) and
+    # its ranks inherit that; the caller keeps its own handler throughout.
+    forkserver.ensure_running()
+    return start()
 
 
 @contextlib.contextmanager
 def _ctrl_c_left_to_caller() -> Iterator[None]:
-    """Start processes that ignore SIGINT: Ctrl-C reaches the whole terminal group, and the caller
-    alone answers it (its KeyboardInterrupt stops every rank), instead of each rank and the
-    forkserver, halfway through importing torch, printing a traceback of its own."""
+    """Start processes that ignore SIGINT (the spawn and fork start methods; the forkserver
+    ignores it itself): Ctrl-C reaches the whole terminal group, and the caller alone answers it
+    (its KeyboardInterrupt stops every rank), instead of each rank, halfway through importing
+    torch, printing a traceback of its own."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -206,7 +208,9 @@ def _start_method(requested: str | None) -> str:
         # server does it once and every rank of every later spawn forks from it. Modules a
         # caller asked the server to preload stay; none of this changes a running server.
         preload = list(getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or [])
-        forkserver.set_forkserver_preload(preload + [m for m in ("torch",) if m not in preload])
+        ours = ("shardkit._ignore_ctrl_c", "torch")  # first: SIGINT ignored before torch loads
+        forkserver.set_forkserver_preload([ours[0]] + [m for m in preload if m != ours[0]]
+                                          + [m for m in ours[1:] if m not in preload])
     return method
 
 

@@ -113,7 +113,8 @@ def test_ctrl_c_ends_the_demo_quietly_with_130(after, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "shardkit", "demo", "--epochs", "5",
                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=tmp_path, start_new_session=True)
+                            text=True, env=env, cwd=tmp_path, start_new_session=True,
+                            preexec_fn=as_in_a_terminal)
     time.sleep(after)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
@@ -133,6 +134,12 @@ def test_ctrl_c_ends_the_demo_quietly_with_130(after, tmp_path):
                                                   text=True).stdout
     print(f"Ctrl-C at {after} s: every process gone {15.0 - (deadline - time.monotonic()):.1f} s "
           "after the command exited")
+
+
+def as_in_a_terminal() -> None:
+    """A command started from a terminal answers Ctrl-C; one started by a background job of a
+    non-interactive shell (as CI may run us) inherits SIGINT ignored: undo that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _sigint_state(rank: int) -> tuple[bool, bool]:
@@ -158,12 +165,14 @@ except KeyboardInterrupt:
 
 
 def test_a_ctrl_c_while_ranks_start_reaches_the_caller_and_ranks_ignore_it():
-    # Pressed while children are being started (SIGINT is ignored then, for them to inherit):
-    # kept pending, not lost, and raised once the caller's handler is back. In a fresh
-    # interpreter, as the CLI is: a thread of the caller's that does not block SIGINT could
-    # take the signal while it is ignored (the limit README's Ctrl-C note states).
+    # Spawn and fork start methods: children inherit SIGINT ignored from the caller, which
+    # blocks it meanwhile, so a Ctrl-C then stays pending and is raised once its handler is back.
+    # One thread (a numpy thread pool could take the signal while it is ignored: README says).
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_STARTING], capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, env=env, preexec_fn=as_in_a_terminal)
     assert out.stdout.splitlines() == ["pending; child ignores: True", "interrupted"], out
-    # Ranks ignore it (the caller stops them) but do not block it: a handler of theirs would run.
+    # The forkserver ignores it from its first preloaded module on, and so do the ranks it forks;
+    # they do not block it: a handler of theirs would run.
     assert shardkit.spawn(_sigint_state, 2) == [(True, False), (True, False)]
+    assert shardkit.spawn(_sigint_state, 1, start_method="spawn") == [(True, False)]
