@@ -360,6 +360,7 @@ def test_resume_at_three_ranks(saved):
     assert all(r["tied"]["same_optim"] and r["tied"]["frozen_has_no_state"] for r in loaded)
 
 
+@pytest.mark.long
 def test_resume_at_four_ranks_hybrid_and_save_replicated(saved, tmp_path):
     root, results = saved
     loaded = shardkit.spawn(run_load, 4, root, "hybrid_shard", 2, "ckpt_hybrid", threads_per_rank=1, backend="cpu")

@@ -71,6 +71,7 @@ def test_flags_reach_the_config():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_rank_full_shard_demo_learns_and_prints_consistent_memory(capfd):
     from shardkit.cli.main import main
 

@@ -197,6 +197,7 @@ def test_shardkit_launch_exits_non_zero_with_the_culprit(tmp_path, kind):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_ranks_finishing_at_different_times_are_not_failures():
     from _failure_workers import finish_unevenly
 

@@ -77,7 +77,8 @@ def _failed_at(tmp: Path) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("with_finally", [True, False], ids=["finally-shutdown", "plain"])
+@pytest.mark.parametrize("with_finally", [pytest.param(True, marks=pytest.mark.long), False],
+                         ids=["finally-shutdown", "plain"])
 def test_by_hand_a_raising_rank_is_named_by_its_peer_at_once(tmp_path, with_finally):
     codes, outs, ended = _run_by_hand(tmp_path, "raise", with_finally)
     failed_at = _failed_at(tmp_path)

@@ -39,7 +39,8 @@ def test_weight_decay_rules_pick_the_same_groups_and_train_like_unsharded(rule):
 
 @pytest.mark.parametrize("world, strategy, hybrid", [(2, "FULL_SHARD", None),
                                                      (3, "FULL_SHARD", None),
-                                                     (4, "HYBRID_SHARD", 2)])
+                                                     pytest.param(4, "HYBRID_SHARD", 2,
+                                                                  marks=pytest.mark.long)])
 def test_muon_style_optimizer_on_whole_matrices_matches_unsharded(world, strategy, hybrid):
     results = shardkit.spawn(muon_run, world, world, strategy, hybrid, threads_per_rank=1)
     for r in results:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # multi-process: runs by default, skipped by -m '
 KEYS = ("all_gather", "reduce_scatter", "all_reduce", "total", "calls")
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, pytest.param(4, marks=pytest.mark.long)])
 def test_bytes_per_step_equal_comm_stats(world):
     results = spawn_suite(world)
     cases = comm_cases(world)
