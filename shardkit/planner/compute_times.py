@@ -95,18 +95,12 @@ def measure_unit_times(units: list[nn.Module], forward: Callable[[], torch.Tenso
 
 
 def _exclusive(units: list[nn.Module], inclusive: list[float]) -> list[float]:
-    """Each unit's time less the time of the units nested in it."""
+    """Each unit's time less the time of the units directly inside it."""
+    inside = [{id(m) for m in unit.modules()} for unit in units]
     out = list(inclusive)
-    for i, unit in enumerate(units):
-        inside = {id(m) for m in unit.modules()}
-        for j, other in enumerate(units):
-            if j != i and id(other) in inside and not _nested_deeper(units, j, i):
-                out[i] -= inclusive[j]
+    for j, unit in enumerate(units):
+        # The innermost other unit containing this one is the one whose time includes it.
+        parents = [i for i in range(len(units)) if i != j and id(unit) in inside[i]]
+        if parents:
+            out[min(parents, key=lambda i: len(inside[i]))] -= inclusive[j]
     return [max(t, 0.0) for t in out]
-
-
-def _nested_deeper(units: list[nn.Module], j: int, i: int) -> bool:
-    """Whether unit j sits inside some other unit that itself sits inside unit i."""
-    outer = {id(m) for m in units[i].modules()}
-    return any(k not in (i, j) and id(units[k]) in outer and id(units[j]) in {id(m) for m in units[k].modules()}
-               for k in range(len(units)))

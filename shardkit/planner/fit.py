@@ -21,7 +21,7 @@ from ..sharding.policies import ShardConfig
 from ..wrap import as_policy
 from .activations import InputsFn
 from .build import backend_facts, plan, step_plan
-from .replay import peak_at
+from .replay import Timeline, peak_at
 from .result import Plan, _size
 from .workload import Workload, fixed_bytes, unit_sizes
 
@@ -85,6 +85,11 @@ class _Fitter:
         return plan(self.model, world_size, strategy=strategy, cpu_offload=cpu_offload,
                     seq=None, **self.options)
 
+    def _timeline(self, ac: bool, batch: int) -> Timeline:
+        """The shared two-batch timeline, or this batch's own recording where that does not hold."""
+        timeline = self.workload.timeline(ac)
+        return timeline if timeline.valid_at(batch) else self.workload.timeline(ac, batch)
+
     def batch_peak(self, static: Plan, ac: bool) -> Callable[[int], int]:
         """Peak per rank as a function of the batch, for one configuration."""
         timeline = self.workload.timeline(ac)
@@ -94,15 +99,12 @@ class _Fitter:
         def peak(batch: int) -> int:
             if timeline.valid_at(batch):
                 return fixed + peak_at(points, batch)
-            return step_plan(static, self.workload.timeline(ac, batch), batch, self.seq, ac).peak_bytes
+            return self.at(static, ac, batch).peak_bytes
         return peak
 
     def at(self, static: Plan, ac: bool, batch: int) -> Plan:
-        """The plan of `static` with the step at `batch` (exact: its own recording's replay)."""
-        timeline = self.workload.timeline(ac)
-        if not timeline.valid_at(batch):
-            timeline = self.workload.timeline(ac, batch)
-        return step_plan(static, timeline, batch, self.seq, ac)
+        """The plan of `static` with the step at `batch`."""
+        return step_plan(static, self._timeline(ac, batch), batch, self.seq, ac)
 
     def largest_batch(self, world_size: int, strategy: str, ac: bool, cpu_offload: bool,
                       budget: int, max_batch: int) -> Fit:
