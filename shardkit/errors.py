@@ -25,3 +25,7 @@ class UnsupportedOperationError(ShardkitError, NotImplementedError):
 
 class PeerFailedError(ShardkitError):
     """This rank stopped because another rank of the job failed; the message names it."""
+
+    # Set once the message is on stderr: left uncaught in a launched rank, the process then ends
+    # with PEER_FAILED_EXIT and prints nothing more, as when the watchdog thread reports first.
+    reported = False

@@ -133,7 +133,7 @@ def shutdown() -> None:
             # Once the watchdog is stopped below, this rank's failure could no longer be told
             # to its peers, and the report would be gloo's last words instead of shardkit's.
             replacement = failure.on_exception(in_flight)
-        failure.stop()
+        failure.stop(leaving_with=replacement)
         ctx.backend.shutdown()
     _set_current(None)
     if in_flight is not None and replacement is not None and replacement is not in_flight:

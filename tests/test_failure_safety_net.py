@@ -171,3 +171,38 @@ def test_where_follows_the_forward_out_of_each_unit_and_past_the_model():
         assert where.describe().endswith(", backward")
     finally:
         shardkit.shutdown()
+
+
+_REPORTED_PEER_FAILURE = textwrap.dedent("""
+    import atexit, sys
+    from shardkit import failure
+    from shardkit.errors import PeerFailedError
+    # What start() installs in a launched rank, then what shutdown() does on the way out.
+    failure._previous_excepthook, sys.excepthook = sys.excepthook, failure._excepthook
+    atexit.register(lambda: open({flushed!r}, "w").write("user's atexit ran"))
+    err = PeerFailedError("shardkit: rank 1 stopped responding (report printed already)")
+    err.reported = {reported}
+    failure.stop(leaving_with=err)
+    print("hook kept:", sys.excepthook is failure._excepthook, flush=True)
+    raise err
+""")
+
+
+@pytest.mark.parametrize("reported", [True, False])
+def test_a_reported_peer_failure_leaving_the_script_ends_the_rank_as_a_survivor(tmp_path, reported):
+    # The rank's own exception path (through `finally: shardkit.shutdown()`) can report a peer's
+    # failure before the watchdog thread does; the rank must then end as the thread would end it
+    # (status 75, nothing printed after the report), not with a second copy as a traceback and
+    # status 1, which made the exit status depend on which path won the race.
+    flushed = tmp_path / "atexit"
+    proc = subprocess.run([sys.executable, "-c", _REPORTED_PEER_FAILURE.format(
+        flushed=str(flushed), reported=reported)], capture_output=True, text=True, timeout=120,
+        cwd=ROOT)
+    if reported:
+        assert proc.returncode == 75, proc.stderr
+        assert proc.stdout == "hook kept: True\n" and proc.stderr == "", proc.stderr
+        assert flushed.read_text() == "user's atexit ran"
+    else:  # not printed yet: an ordinary uncaught exception, the hook put back
+        assert proc.returncode == 1
+        assert proc.stdout == "hook kept: False\n"
+        assert proc.stderr.rstrip().endswith("stopped responding (report printed already)")

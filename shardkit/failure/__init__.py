@@ -109,9 +109,10 @@ def start(rank: int, world_size: int, timeout: datetime.timedelta, shares_proces
         sys.excepthook = _excepthook
 
 
-def stop() -> None:
+def stop(leaving_with: BaseException | None = None) -> None:
     """Stop the watchdog and put back what start() installed; peers must not take this rank's
-    exit for a death."""
+    exit for a death. `leaving_with`: the exception about to leave the rank, whose exit the hook
+    still has to shape when it is a reported peer failure."""
     global _watchdog, _previous_excepthook
     wd, _watchdog = _watchdog, None
     if wd is not None:
@@ -119,6 +120,8 @@ def stop() -> None:
     if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGTERM) is _on_sigterm):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if isinstance(leaving_with, PeerFailedError) and leaving_with.reported:
+        return  # the hook ends the process with PEER_FAILED_EXIT if nothing catches it
     if _previous_excepthook is not None and sys.excepthook is _excepthook:
         sys.excepthook = _previous_excepthook
     _previous_excepthook = None
@@ -204,7 +207,7 @@ def on_exception(exc: BaseException) -> BaseException:
             if not wd.claim_report():
                 # The watchdog thread said it first and is ending this rank: the collective's
                 # own error is only the consequence, not a second story.
-                return PeerFailedError(wd.await_own_exit() or str(exc))
+                return _reported(PeerFailedError(wd.await_own_exit() or str(exc)))
             message = wd.survivor_message(failures) + kept
             emit(message)
             launcher_record.record(message, "", failed_here=False)
@@ -212,7 +215,7 @@ def on_exception(exc: BaseException) -> BaseException:
             wd.acknowledge()
             wd.linger(failures)
             wd.await_posters(failures)
-            return PeerFailedError(message)
+            return _reported(PeerFailedError(message))
         # This rank ends because of the collective, not on its own: peers must not report its
         # exit as a death (and blame it) while they reach the same conclusion.
         wd.acknowledge()
@@ -229,6 +232,26 @@ def on_exception(exc: BaseException) -> BaseException:
         wd.post(f"raised {type(exc).__name__}: {exc} (in {where.describe()})")
         wd.report_written.set()  # its own traceback is the report
     return exc
+
+
+def _reported(err: PeerFailedError) -> PeerFailedError:
+    err.reported = True
+    return err
+
+
+def _exit_as_survivor(hook: Any, tp: type, value: BaseException, tb: Any) -> None:
+    """End a launched rank whose peer failed the same way whichever path reported it first: the
+    report is already printed (its traceback kept in a file), and the status tells launchers
+    this rank is not the cause."""
+    if debugging():
+        hook(tp, value, tb)
+    atexit._run_exitfuncs()  # os._exit skips them, and the user's may flush logs or files
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream: nothing to save
+            pass
+    os._exit(PEER_FAILED_EXIT)
 
 
 def _formatted(exc: BaseException) -> str:
@@ -265,6 +288,8 @@ def quiet(original: BaseException, replacement: BaseException) -> bool:
 
 def _excepthook(tp: type, value: BaseException, tb: Any) -> None:
     hook = _previous_excepthook or sys.__excepthook__
+    if isinstance(value, PeerFailedError) and value.reported:
+        _exit_as_survivor(hook, tp, value, tb)
     if raised_in_a_collective(value):
         # Report first: the one line names the cause, and the collective's own traceback is
         # mostly C++ frames that would bury it.
