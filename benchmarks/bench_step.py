@@ -133,10 +133,17 @@ def wrap(model: nn.Module, mode: str, ctx, unit_classes: tuple, dtype: torch.dty
 
 
 def compile_blocks(model: nn.Module, unit_classes: tuple, backend: str) -> None:
-    """torch.compile each unit's forward (after wrapping, so the engines' hooks stay eager)."""
-    import shardkit
+    """`block.compile(backend=...)` on every unit after wrapping, the call torch's docs and
+    torchtitan show, for every engine alike."""
+    for module in model.modules():
+        if isinstance(module, unit_classes):
+            module.compile(backend=backend)
 
-    shardkit.wrap.compile_layers(model, unit_classes, backend=backend)
+
+def split_mode(mode: str) -> tuple[str, str | None]:
+    """'shardkit-full+inductor' -> ('shardkit-full', 'inductor'); an eager mode has no backend."""
+    engine, _, backend = mode.partition("+")
+    return engine, backend or None
 
 
 def _formula_bytes(mode: str, num_params: int, world: int, elem: int = 4) -> int:
@@ -162,6 +169,7 @@ class Runner:
 
     def __init__(self, mode: str, a: argparse.Namespace, ctx, rank: int) -> None:
         self.mode, self.ctx = mode, ctx
+        engine, compile_backend = split_mode(mode)
         self.device = ctx.device
         self.dtype = DTYPES[a.dtype]
         torch.manual_seed(0)
@@ -169,11 +177,11 @@ class Runner:
         self.num_params = sum(p.numel() for p in model.parameters())
         model = model.to(self.device)
         self.batches = make_batches(a.model, model, a.batch, a.seq, rank, self.device)
-        self.model = wrap(model, mode, ctx, classes, self.dtype)
-        if a.compile:
-            compile_blocks(self.model, classes, a.compile)
+        self.model = wrap(model, engine, ctx, classes, self.dtype)
+        if compile_backend:
+            compile_blocks(self.model, classes, compile_backend)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
-        self.autocast = mode == "single" and self.dtype != torch.float32
+        self.autocast = engine == "single" and self.dtype != torch.float32
         self.i = 0
         self.timed: list[float] = []  # seconds per step
         self.host: list[float] = []  # seconds until the host had queued the whole step
@@ -259,7 +267,7 @@ def bench_rank(rank: int, modes: list[str], args_dict: dict, interleave: bool) -
         for _ in range(a.warmup):
             r.step()
     for mode in modes:
-        if mode in SHARDKIT_MODES:
+        if split_mode(mode)[0] in SHARDKIT_MODES:
             shardkit.comm_stats(runners[mode].model, reset=True)
     if interleave:
         rounds = max(1, -(-a.steps // a.chunk))
@@ -272,11 +280,12 @@ def bench_rank(rank: int, modes: list[str], args_dict: dict, interleave: bool) -
             r.timed_steps(a.steps)
     out = {}
     for mode, r in runners.items():
-        if mode in SHARDKIT_MODES:
+        engine = split_mode(mode)[0]
+        if engine in SHARDKIT_MODES:
             comm, source = shardkit.comm_stats(r.model)["total"] // len(r.timed), "measured"
         else:
             elem = 2 if r.dtype != torch.float32 else 4
-            comm, source = _formula_bytes(mode, r.num_params, ctx.world_size, elem), "formula"
+            comm, source = _formula_bytes(engine, r.num_params, ctx.world_size, elem), "formula"
         out[mode] = {"times": r.timed, "host": r.host, "bytes_per_step": comm,
                      "bytes_source": source, "num_params": r.num_params,
                      "world": ctx.world_size}
@@ -342,23 +351,38 @@ def _ratio(value: float | None, base: float | None) -> str:
     return f"{value / base:.3f}" if value and base else "-"
 
 
+def _peer_time(by_mode: dict[str, dict], mode: str, peer: str) -> float | None:
+    """s/step of `peer` run the way `mode` ran (compiled with the same backend, or eager)."""
+    backend = split_mode(mode)[1]
+    row = by_mode.get(f"{peer}+{backend}" if backend else peer)
+    return row["sec_per_step"] if row else None
+
+
 def markdown_table(rows: list[dict], mem: dict[str, dict]) -> str:
-    """Render results as a markdown table with ratios against FSDP2, FSDP1 and DDP."""
+    """Render results as a markdown table with ratios against FSDP2, FSDP1 and DDP (a compiled
+    mode against the same peer compiled with the same backend) and against its own eager run."""
     by_mode = {r["mode"]: r for r in rows}
-    base = {m: by_mode[m]["sec_per_step"] if m in by_mode else None for m in ("fsdp2", "fsdp1", "ddp")}
-    out = ["| mode | s/step (median) | vs FSDP2 | vs FSDP1 | vs DDP | host s/step | peak RSS/rank (MB) "
-           "| peak device (MB) | kernels/step | sent/rank/step (MB) | bytes |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    compiled = any(split_mode(r["mode"])[1] for r in rows)
+    out = ["| mode | s/step (median) | vs FSDP2 | vs FSDP1 | vs DDP |"
+           + (" vs own eager |" if compiled else "")
+           + " host s/step | peak RSS/rank (MB) | peak device (MB) | kernels/step "
+           "| sent/rank/step (MB) | bytes |",
+           "|---|---|---|---|---|" + ("---|" if compiled else "") + "---|---|---|---|---|---|"]
     for r in rows:
         m = mem.get(r["mode"], {})
         rss = " / ".join(f"{v:.0f}" for v in m.get("peak_rss_mb", [])) or "-"
         dev = f"{m['peak_device_mb']:.0f}" if m.get("peak_device_mb") else "-"
         kern = f"{r['profile']['kernels_per_step']:.0f}" if "profile" in r else "-"
+        sec = r["sec_per_step"]
+        ratios = " | ".join(_ratio(sec, _peer_time(by_mode, r["mode"], peer))
+                            for peer in ("fsdp2", "fsdp1", "ddp"))
+        if compiled:
+            engine, backend = split_mode(r["mode"])
+            eager = by_mode.get(engine)
+            ratios += " | " + (_ratio(sec, eager["sec_per_step"]) if backend and eager else "-")
         out.append(
-            f"| {r['mode']} | {r['sec_per_step']:.4f} | {_ratio(r['sec_per_step'], base['fsdp2'])} "
-            f"| {_ratio(r['sec_per_step'], base['fsdp1'])} | {_ratio(r['sec_per_step'], base['ddp'])} "
-            f"| {r['host_sec_per_step']:.4f} | {rss} | {dev} | {kern} "
-            f"| {r['bytes_per_step'] / MB:.1f} | {r['bytes_source']} |")
+            f"| {r['mode']} | {sec:.4f} | {ratios} | {r['host_sec_per_step']:.4f} | {rss} | {dev} "
+            f"| {kern} | {r['bytes_per_step'] / MB:.1f} | {r['bytes_source']} |")
     return "\n".join(out)
 
 
@@ -378,6 +402,11 @@ def target_lines(rows: list[dict], mem: dict[str, dict], device: str) -> list[st
             va, vb = (max(va), max(vb)) if isinstance(va, list) else (va, vb)
             checks.append((name, va / vb, 1.0))
 
+    for backend in sorted({split_mode(m)[1] for m in t} - {None}):
+        full, fsdp2 = f"shardkit-full+{backend}", f"fsdp2+{backend}"
+        time_check(f"FULL_SHARD compiled <= {0.95 if device != 'cpu' else 1.0} x FSDP2 compiled "
+                   f"({backend})", full, fsdp2, 0.95 if device != "cpu" else 1.0)
+        time_check(f"FULL_SHARD compiled < its eager ({backend})", full, "shardkit-full", 1.0)
     if device != "cpu":
         time_check("FULL_SHARD <= 0.95 x FSDP2", "shardkit-full", "fsdp2", 0.95)
         time_check("FULL_SHARD <= 1.0 x FSDP1", "shardkit-full", "fsdp1", 1.0)
@@ -409,7 +438,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma-separated subset of: {', '.join(ALL_MODES)}, or 'all'")
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
     p.add_argument("--compile", default=None, metavar="BACKEND",
-                   help="torch.compile every unit's forward with this backend (e.g. inductor)")
+                   help="also run every mode compiled (as '<mode>+BACKEND'): block.compile("
+                        "backend=BACKEND) on every unit after wrapping, e.g. inductor")
     p.add_argument("--no-isolated", dest="isolated", action="store_false",
                    help="skip the fresh-process-per-mode memory phase")
     p.add_argument("--no-interleave", dest="interleave", action="store_false",
@@ -425,7 +455,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker-interleave", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.modes = list(ALL_MODES) if args.modes == "all" else args.modes.split(",")
-    unknown = sorted(set(args.modes) - set(ALL_MODES))
+    unknown = sorted({split_mode(m)[0] for m in args.modes} - set(ALL_MODES))
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {', '.join(ALL_MODES)}")
     args.backend = args.device
@@ -434,7 +464,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"--seq={args.seq}", f"--nproc={args.nproc}", f"--threads={args.threads}",
                         f"--profile-steps={args.profile_steps}"]
     if args.compile:
-        args.passthrough.append(f"--compile={args.compile}")
+        args.modes += [f"{m}+{args.compile}" for m in args.modes]
     return args
 
 
@@ -470,7 +500,8 @@ def main(argv=None) -> int:
              f"{args.nproc} rank(s), batch {args.batch}/rank"
              f"{f' x {args.seq} tokens' if args.model in GPT_MODELS else ''}, Adam, "
              f"{args.threads} thread(s)/rank, torch {torch.__version__}"
-             f"{f', compiled ({args.compile})' if args.compile else ''}; {how}, "
+             f"{f', each also compiled (+{args.compile}: block.compile() per unit)' if args.compile else ''}"
+             f"; {how}, "
              f"{args.warmup} warm-up")
     print(f"\n{title}\n")
     print(markdown_table(rows, mem))

@@ -22,11 +22,10 @@ def _check(results: dict, names: list[str]) -> None:
                                     else "FULL_SHARD")]
         # Same numbers as eager (aot_eager runs the same kernels); bf16 within its precision.
         assert run["compiled"] == pytest.approx(run["eager"], rel=1e-3 if name == "bf16" else 1e-6), name
-        # torch.compile(block) traces the block's __call__: the engine's two hooks are skipped
-        # there, which dynamo counts as a break each, at the graph's edges (FSDP2's hooks live in
-        # torch's own files, which dynamo skips without counting). block.compile(): none.
-        edges = 2 if name == "torch.compile(block)" else 0
-        assert run["breaks"] <= fsdp2["breaks"] + edges, (name, run["breaks"])
+        # torch.compile(block) runs the block's hooks outside the graph and would trace any
+        # Python frame of ours around the disabled engine hooks (a counted break at each edge,
+        # two per block, when they were lambdas): as many breaks as FSDP2, which is none.
+        assert run["breaks"] <= fsdp2["breaks"], (name, run["breaks"])
         assert run["graphs"][-1] <= fsdp2["graphs"][-1], (name, run["graphs"])
         assert run["graphs"][1] == run["graphs"][-1], (name, run["graphs"])  # no recompiles after step 2
 
@@ -52,7 +51,10 @@ def test_block_compile_every_configuration(world):
 def test_whole_model_compile_runs_ten_steps_like_fsdp2():
     # torch.compile(model) on the sharded model (it crashed in dynamo before the hooks were
     # kept out of graphs): same losses as FSDP2 and as eager, no recompilation after the second
-    # step. Not yet FSDP2's graph count (issue 17 item 2 is open): printed, not asserted.
+    # step, no more graph breaks than FSDP2 (5 each here: a break before every block's gather,
+    # where FSDP2 breaks too, and one in transformers' logging). Graphs are not compared: ours
+    # count three more, the root's embeddings and final norm compiled as frames of their own,
+    # which FSDP2 leaves eager.
     from _compile_workers import compiled_model
 
     for result in shardkit.spawn(compiled_model, 2, 2, threads_per_rank=1):
@@ -60,5 +62,6 @@ def test_whole_model_compile_runs_ten_steps_like_fsdp2():
         assert ours["compiled"] == pytest.approx(torchs["compiled"], rel=1e-6)
         assert ours["compiled"][:5] == pytest.approx(result["eager"], rel=1e-6)
         assert ours["graphs"][1] == ours["graphs"][-1]
+        assert ours["breaks"] <= torchs["breaks"], (ours, torchs)
         print(f"graphs: shardkit {ours['graphs'][-1]}, FSDP2 {torchs['graphs'][-1]}; graph breaks: "
               f"shardkit {ours['breaks']}, FSDP2 {torchs['breaks']}")

@@ -47,7 +47,7 @@ def test_hybrid_shard_replica_groups_built_differently_are_refused_on_every_rank
         assert "another replica group" in results[rank]["error"]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=[pytest.mark.slow, pytest.mark.long])])
 def test_full_shard_ranks_own_disjoint_rows_so_different_inits_pass(world):
     for r in run(world, "FULL_SHARD", DIFFERENT[:world]):
         assert r["error"] is None  # one consistent model of every rank's own rows

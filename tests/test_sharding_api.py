@@ -14,6 +14,8 @@ pytestmark = pytest.mark.slow  # multi-process: runs by default, skipped by -m '
 TINYNET_PARAMS = 30
 
 
+@pytest.mark.slow
+@pytest.mark.long  # three ranks: 13 s
 def test_names_views_and_load_full_param_on_three_ranks():
     results = [r["api"] for r in spawn_suite(3)]
     for rank, r in enumerate(results):

@@ -35,6 +35,8 @@ def test_shard_grad_op_gathers_once_and_no_shard_all_reduces():
         assert b["stats"]["all_reduce"] == pytest.approx(2 * (r - 1) / r * FP32 * b["P"], abs=1)
 
 
+@pytest.mark.slow
+@pytest.mark.long  # 4 ranks on 2 cores: 33 s
 def test_hybrid_bytes_split_between_shard_and_replica_groups():
     for b in _bytes(4, "HYBRID_SHARD"):
         f, r, padded = b["shard_group"], b["replica_group"], b["padded"]
@@ -58,6 +60,8 @@ def test_clip_grad_norm_equals_torch_on_the_reference(world):
         assert min(t for _, t in r["clip"]["l2"]["norms"]) > 0.05
 
 
+@pytest.mark.slow
+@pytest.mark.long  # two engines trained side by side: 28 s
 def test_same_training_as_torch_fsdp2():
     for r in spawn_suite(2):
         f = r["fsdp2"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -145,12 +146,15 @@ def install(unit: ShardUnit) -> list:
     """Register the forward hooks of one unit on its module; return the removable handles."""
     module = unit.module
     _UNIT_OF[module] = unit
+    # The hooks are the disabled functions themselves (bound by partial, which has no frame):
+    # torch.compile(block) runs a module's hooks outside its graph and starts tracing at the
+    # first Python frame they call, so a lambda around them would be traced, then broken at the
+    # disabled call: a counted graph break at each edge of every block's graph.
     handles = [
-        module.register_forward_pre_hook(
-            lambda m, a, k, u=unit: pre_forward(u, m, a, k), with_kwargs=True, prepend=True),
-        module.register_forward_hook(
-            lambda m, a, k, o, u=unit: post_forward(u, m, a, k, o), with_kwargs=True,
-            always_call=False),
+        module.register_forward_pre_hook(functools.partial(pre_forward, unit), with_kwargs=True,
+                                         prepend=True),
+        module.register_forward_hook(functools.partial(post_forward, unit), with_kwargs=True,
+                                     always_call=False),
     ]
     # module.compile() compiles the module's forward only, so its hooks stay outside the graph
     # (Module.compile would compile __call__, hooks included).
