@@ -218,6 +218,10 @@ class EncodeNet(TinyNet):
             h = block.mlp(h)
         return self.head(self.norm(h).mean(dim=1))
 
+    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss through the model's own forward, as a Lightning step computes it."""
+        return F.cross_entropy(self(x), y) + 0.0 * self.encode(x).sum()
+
 
 def forward_method_run(rank: int, world: int) -> dict:
     """encode() on the root and mlp() on each block unit, trained against the reference."""
@@ -271,7 +275,50 @@ def forward_method_run(rank: int, world: int) -> dict:
         x = batch(9, rank)[0]
         out["eval_diff"] = (model.encode(x) - ref.encode(x)).abs().max().item()
         out["sharded_after"] = shards_exposed(model)
+    out["nested"] = _nested_method_run(rank, world)
     return out
+
+
+def _nested_method_run(rank: int, world: int) -> dict:
+    """A registered method that calls the model's forward and another registered method inside:
+    the hooks run once around it (not again inside), and training matches the reference."""
+    torch.manual_seed(1)
+    ref = EncodeNet()
+    model = shardkit.shard(copy.deepcopy(ref), auto_wrap_policy=shardkit.wrap.transformer_layers({MlpBlock}))
+    for name in ("training_step", "encode"):
+        shardkit.register_forward_method(model, name)
+    for block in model.blocks:
+        shardkit.register_forward_method(block, "mlp")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    diffs = []
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        model.training_step(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        gx, gy = global_batch(step, world)
+        ref.training_step(gx, gy).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        diffs.append(max_diff(full_params(model), ref))
+    return {"diffs": diffs, "sharded_after": shards_exposed(model),
+            "gathered": _gathered_bytes(model, *batch(0, rank))}
+
+
+def _gathered_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """All-gather bytes of one no-grad call of each entry point (the root unit's own share is
+    encode's minus its blocks')."""
+    def sent(call) -> int:
+        shardkit.comm_stats(model, reset=True)
+        with torch.no_grad():
+            call()
+        return shardkit.comm_stats(model)["all_gather"]
+
+    h = torch.randn(2, 5, 14)
+    return {"forward": sent(lambda: model(x)), "encode": sent(lambda: model.encode(x)),
+            "blocks": sum(sent(lambda b=b: b.mlp(h)) for b in model.blocks),
+            "training_step": sent(lambda: model.training_step(x, y))}
 
 
 def generate_run(rank: int, world: int) -> dict | str:

@@ -92,6 +92,13 @@ def test_registered_methods_gather_and_train_like_the_reference(results):
         assert run["sharded_after"]
         assert "is not a sharding unit" in run["errors"]["not_a_unit"]
         assert "has no method 'decode'" in run["errors"]["no_method"]
+        # A registered training_step that calls forward and encode() inside: hooks once.
+        assert len(run["nested"]["diffs"]) == 3 and max(run["nested"]["diffs"]) <= TOL
+        assert run["nested"]["sharded_after"]
+        # ... and gathers the root unit once, not again for the forward and encode() inside it.
+        sent = run["nested"]["gathered"]
+        assert sent["encode"] > sent["blocks"] > 0  # the root's own share is gathered by encode
+        assert sent["training_step"] == sent["forward"] + sent["blocks"], sent
 
 
 def test_gpt2_generate_gives_the_unsharded_tokens(results):

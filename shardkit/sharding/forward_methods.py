@@ -18,7 +18,8 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
 
     Its parameters are gathered (and mixed-precision casts applied) for the call and resharded
     after, so a method that uses the unit's layers directly, not through forward, sees full
-    weights. `module` is the model shard() returned or a module auto_wrap_policy made a unit.
+    weights; the unit's forward (or another registered method) called inside it runs without
+    the hooks a second time. `module` is the model shard() returned or a module auto_wrap_policy made a unit.
     """
     unit = unit_of(module)
     if unit is None:
@@ -35,8 +36,14 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def run_under_hooks(*args: Any, **kwargs: Any) -> Any:
+        if unit.in_forward_method:  # called from another registered method: gathered already
+            return method(*args, **kwargs)
         args, kwargs = pre_forward(unit, module, args, kwargs)
-        output = method(*args, **kwargs)
+        unit.in_forward_method += 1
+        try:
+            output = method(*args, **kwargs)
+        finally:
+            unit.in_forward_method -= 1
         return post_forward(unit, module, args, kwargs, output)
 
     setattr(run_under_hooks, _WRAPPED, True)

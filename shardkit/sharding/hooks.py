@@ -85,6 +85,8 @@ def _route_through_post_backward(unit: ShardUnit, args: tuple, kwargs: dict) -> 
 @torch.compiler.disable
 def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict):
     """Gather the unit (waiting on a prefetch if one is in flight) and prefetch the next ones."""
+    if unit.in_forward_method:  # the registered method around this call ran the hook already
+        return args, kwargs
     with trace_range(unit.trace_names["pre_forward"]):
         st: ShardState = unit.state
         where.forward_started(unit.name, outermost=unit is st.root_unit)
@@ -106,6 +108,8 @@ def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: d
 @torch.compiler.disable
 def post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
     """Put the sharded params back, reshard as the unit says (free / keep / 1/k), hook the outputs."""
+    if unit.in_forward_method:
+        return output
     with trace_range(unit.trace_names["post_forward"]):
         st: ShardState = unit.state
         st.record_post_forward(unit)

@@ -60,6 +60,9 @@ class ShardUnit:
         self.forward_prefetch: list[ShardUnit] | None = None
         self.backward_prefetch: list[ShardUnit] | None = None
         self.forward_uses = 0  # forward calls with grad-requiring inputs whose backward is due
+        # >0 while a registered forward method runs the unit's hooks around itself: its own
+        # forward, called inside (a training_step calling self(x)), must not run them again.
+        self.in_forward_method = 0
         # Profiler range names, built once (formatting them per call would cost on the hot path).
         self.trace_names = {k: f"shardkit::{k}[{self.name}]"
                             for k in ("pre_forward", "post_forward", "pre_backward",
