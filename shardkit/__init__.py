@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 from .errors import (BackendNotFoundError, BackendUnavailableError, PeerFailedError,
                      PluginLoadError, ShardkitError, UnsupportedOperationError)
+from .lightning.registration import install as _lightning_hook
 from .logs import configure_from_env as _configure_logging
 from .checkpoint import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                          IncompleteCheckpointError, StateDictMismatchError)
@@ -95,3 +96,4 @@ __all__ = [
 ]
 
 _configure_logging()  # SHARDKIT_LOG=debug|info prints the "shardkit" logger to stderr
+_lightning_hook()  # Trainer(strategy="shardkit") once Lightning is imported, which shardkit never does

@@ -103,3 +103,18 @@ def test_transformer_example_learns_in_bf16_and_saves_a_full_checkpoint(tmp_path
         loss = example.lm_loss(model, example.sequences(64, cfg, seed=12345)).item()
     assert abs(ckpt["val_loss"] - min(v for _, v in epochs)) <= 1e-4  # the best epoch was kept
     assert abs(loss - ckpt["val_loss"]) <= 1e-3, (loss, ckpt["val_loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_lightning_example_learns_and_resumes_at_three_devices(tmp_path):
+    pytest.importorskip("lightning")
+    ckpt = tmp_path / "ckpt"
+    out = run_example("lightning_trainer", "--devices", "2", "--epochs", "2",
+                      "--checkpoint-dir", str(ckpt))
+    accuracy = float(re.findall(r"val_acc ([\d.]+)", out)[-1])
+    assert accuracy > 0.9, out
+    assert (ckpt / "last.ckpt").is_dir()  # shardkit's sharded checkpoint, written by ModelCheckpoint
+    out = run_example("lightning_trainer", "--devices", "3", "--epochs", "3",
+                      "--checkpoint-dir", str(ckpt), "--resume", str(ckpt / "last.ckpt"))
+    assert float(re.findall(r"val_acc ([\d.]+)", out)[-1]) > 0.9, out

@@ -1,0 +1,77 @@
+"""Put "shardkit" in Lightning's strategy registry when Lightning is imported, without importing it.
+
+Lightning resolves `Trainer(strategy="shardkit")` from `lightning.pytorch.strategies.
+StrategyRegistry` while the Trainer is being built, and reads no entry point for strategies (its
+only entry-point group, `lightning.pytorch.callbacks_factory`, is read after the strategy is
+chosen). So `import shardkit` installs an import hook that registers the strategy right after
+Lightning's strategies module has run, or at once if it already has; Lightning itself is never
+imported by shardkit (it takes seconds, and most users of shardkit never use it).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Any, Callable
+
+from typing_extensions import override
+
+TRAINER_STRATEGIES = "lightning.pytorch.strategies"
+
+
+def register_trainer_strategy(strategies: ModuleType) -> None:
+    """Register ShardkitStrategy in the Trainer's strategy registry (in `strategies`)."""
+    from .strategy import ShardkitStrategy
+
+    ShardkitStrategy.register_strategies(strategies.StrategyRegistry)
+
+
+class _RunAfter(importlib.abc.Loader):
+    """A module's own loader, then `then(module)` once the module has run."""
+
+    def __init__(self, loader: Any, then: Callable[[ModuleType], None]) -> None:
+        self._loader, self._then = loader, then
+
+    @override
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    @override
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._then(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_code, ... for tools that ask
+        return getattr(self._loader, name)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader of the one module it watches."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name, self.then = name, then
+
+    @override
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _RunAfter(spec.loader, self.then)
+                return spec
+        return None
+
+
+def install() -> None:
+    """Register now if Lightning's strategies are loaded, else when they are (idempotent)."""
+    loaded = sys.modules.get(TRAINER_STRATEGIES)
+    if loaded is not None and hasattr(loaded, "StrategyRegistry"):
+        register_trainer_strategy(loaded)
+        return
+    if not any(isinstance(f, _AfterImport) and f.name == TRAINER_STRATEGIES for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(TRAINER_STRATEGIES, register_trainer_strategy))

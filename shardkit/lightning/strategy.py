@@ -1,0 +1,259 @@
+"""ShardkitStrategy: Lightning's Trainer training on shardkit's engine, on any shardkit backend.
+
+The LightningModule is sharded in place (parameter names unchanged), so Lightning's model and
+its LightningModule stay one object: Lightning calls `training_step` and the other step methods
+directly, and each is registered as a forward method so that it runs inside the root unit's
+gather/reshard hooks (a `self(x)` inside it does not run them twice). Checkpoints are shardkit's
+sharded ones (a directory; reload at any world size), with Lightning's own state (loops,
+callbacks, schedulers) as the checkpoint's `extra`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Generator
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
+
+from ..errors import ShardkitError
+from ..suggest import did_you_mean
+from .precision import clip_over_shards, mixed_precision_for
+
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+# shard() options the strategy sets itself (the backend, the device) or takes by name.
+_OWN = {"model", "backend", "device_id", "strategy", "auto_wrap_policy"}
+
+
+def shard_option_names() -> list[str]:
+    """The shardkit.shard() keyword arguments ShardkitStrategy passes through."""
+    from ..sharding.api import shard
+
+    return sorted(set(inspect.signature(shard).parameters) - _OWN)
+
+
+class ShardkitStrategy(ParallelStrategy):
+    """Trainer(strategy=ShardkitStrategy(...)) or Trainer(strategy="shardkit"): shardkit.shard() the LightningModule."""
+
+    strategy_name = "shardkit"
+
+    def __init__(self, strategy: Any = "FULL_SHARD", auto_wrap_policy: Any = None,
+                 backend: str | None = None, timeout: float | timedelta | None = None,
+                 accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: Any = None, checkpoint_io: Any = None,
+                 precision_plugin: Any = None, **shard_options: Any) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        valid = shard_option_names()
+        for name in shard_options:
+            if name not in valid:
+                raise ShardkitError(f"ShardkitStrategy got an unknown option {name!r}"
+                                    f"{did_you_mean(name, valid)}; shard() options: "
+                                    f"strategy, auto_wrap_policy, {', '.join(valid)}")
+        self._shard_options = dict(strategy=strategy, auto_wrap_policy=auto_wrap_policy,
+                                   **shard_options)
+        self._backend = backend
+        self._timeout = timeout
+        self.num_nodes = 1
+
+    # ---- where this rank is -----------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        """Ranks on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning adds a DistributedSampler when this is True."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # shardkit loads into the sharded model and its optimizer
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment this rank's global rank and the world size."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes
+                                                     + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment,
+                                                       self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        env = self.cluster_environment
+        assert env is not None
+        # What torchrun would have set: shardkit.init() reads the job from the environment and
+        # makes the process group (its own rendezvous checks and failure watchdog included).
+        os.environ.update(RANK=str(self.global_rank), WORLD_SIZE=str(self.world_size),
+                          LOCAL_RANK=str(self.local_rank),
+                          LOCAL_WORLD_SIZE=str(self.num_processes),
+                          MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port))
+        from ..runtime import init
+
+        init(self._backend or self.root_device.type, timeout=self._timeout)
+
+    # ---- the model --------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model = self._setup_model(self.model)
+        clip_over_shards(self.precision_plugin, self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from ..sharding.api import shard
+        from ..sharding.forward_methods import register_forward_method
+        from ..sharding.hooks import unit_of
+
+        if unit_of(model) is None:  # setup() runs again for trainer.validate()/test() after fit()
+            options = dict(self._shard_options)
+            if "mixed_precision" not in options:
+                options["mixed_precision"] = mixed_precision_for(self.precision_plugin.precision)
+            model = shard(model, backend=self._backend or self.root_device.type,
+                          device_id=self.root_device, **options)
+        for name in STEP_METHODS:
+            if callable(getattr(model, name, None)):
+                register_forward_method(model, name)
+        return model
+
+    @override
+    def model_to_device(self) -> None:
+        pass  # shard() puts the shards on the backend's device
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Layers made in configure_model (or under trainer.init_module()) go on the meta device
+        # unless empty_init=False: shard() then materialises them unit by unit, straight into
+        # shards, so no rank ever holds the whole model.
+        device = nullcontext() if empty_init is False else torch.device("meta")
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """accumulate_grad_batches: backward without reducing, as shardkit's no_sync does."""
+        no_sync = getattr(self.model, "no_sync", None)
+        with no_sync() if no_sync is not None else nullcontext():
+            yield
+
+    # ---- collectives for Lightning's own use (metrics, logging, decisions) -------------------
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the weights go into the sharded checkpoint, not into Lightning's dict
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any = None) -> None:
+        from ..checkpoint import save
+
+        if storage_options is not None:
+            raise TypeError("ShardkitStrategy.save_checkpoint(storage_options=...) is not "
+                            "supported: shardkit writes its sharded checkpoint itself")
+        path = self.broadcast(os.fspath(filepath))
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save(path, self.model, self._the_optimizer(), extra=meta)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from ..checkpoint import load
+
+        path = self.broadcast(os.fspath(checkpoint_path))
+        module = self.lightning_module
+        assert module is not None
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        meta = load(path, self.model, self._the_optimizer() if fitting else None,
+                    strict=module.strict_loading)
+        return dict(meta or {})
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint() loaded the weights into the shards
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass
+
+    def _the_optimizer(self) -> torch.optim.Optimizer | None:
+        if len(self.optimizers) > 1:
+            raise ShardkitError(
+                f"strategy='shardkit' checkpoints one optimizer; configure_optimizers returned "
+                f"{len(self.optimizers)}. HINT: use one optimizer with several param groups")
+        return self.optimizers[0] if self.optimizers else None
+
+    # ---- registration ------------------------------------------------------------------------
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "shardkit", cls, description="shardkit: sharded data parallel on any shardkit backend",
+            override=True)
