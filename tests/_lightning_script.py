@@ -23,7 +23,12 @@ VOCAB, SEQ = 64, 16
 
 
 def build(kind: str) -> torch.nn.Module:
-    """The network: an MLP classifier, or a GPT-2-shaped transformers language model."""
+    """The network: an MLP classifier, the seed tutorial's MNIST CNN, or a GPT-2-shaped
+    transformers language model."""
+    if kind == "cnn":
+        from shardkit.demo.models import build_model
+
+        return build_model("shallow")
     if kind == "mlp":
         return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
                                    torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -77,6 +82,9 @@ def data(kind: str) -> TensorDataset:
     if kind == "mlp":
         x = torch.randn(96, 16, generator=gen)
         return TensorDataset(x, (x[:, :4].sum(1) > 0).long() + 2 * (x[:, 4] > 0).long())
+    if kind == "cnn":
+        return TensorDataset(torch.randn(96, 1, 28, 28, generator=gen),
+                             torch.randint(0, 10, (96,), generator=gen))
     ids = torch.randint(0, VOCAB, (96, SEQ + 1), generator=gen)
     return TensorDataset(ids[:, :-1], ids[:, 1:])
 

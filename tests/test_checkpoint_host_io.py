@@ -50,6 +50,8 @@ def load_one(rank: int, path: str, host: bool) -> dict:
     return {"extra": extra, "params": full_params(model), "optim": local_optim(model, opt)}
 
 
+@pytest.mark.slow
+@pytest.mark.long  # 13 s: two writers, two loads
 def test_host_path_writes_what_dcp_writes_and_both_load(tmp_path):
     saved = shardkit.spawn(save_both_ways, 2, str(tmp_path), backend="cpu", threads_per_rank=1)
     dcp_dir, host_dir = tmp_path / "dcp", tmp_path / "host"

@@ -126,6 +126,8 @@ def test_info_lines_name_backend_group_strategy_and_units(clean_state, caplog) -
     assert "unit '1': 2 parameter(s), 8 elements" in text  # 3*2 + 2
 
 
+@pytest.mark.slow
+@pytest.mark.long  # 11 s: a fresh job with debug logging
 def test_shardkit_log_env_prints_debug_lines_to_stderr() -> None:
     """SHARDKIT_LOG=debug sends the logger to stderr in a fresh interpreter, with no code change."""
     code = ("import shardkit, torch\nshardkit.init('cpu')\n"

@@ -132,6 +132,7 @@ def test_spawn_with_finally_shutdown_still_names_the_cause(tmp_path, failure):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 13 s: a launched job
 def test_shardkit_launch_with_finally_shutdown_names_the_raising_rank(tmp_path):
     started = time.time()
     result = subprocess.run([sys.executable, "-m", "shardkit.cli.main", "launch", "--backend",

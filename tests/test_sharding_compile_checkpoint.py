@@ -16,6 +16,8 @@ pytestmark = pytest.mark.slow
 TINY = {"dim": 14, "blocks": 2, "tokens": 16, "hidden": 29, "batch": 4}  # _models.TinyNet
 
 
+@pytest.mark.slow
+@pytest.mark.long  # 12 s: every strategy compiled
 def test_compiled_blocks_match_eager_under_every_strategy_without_recompiling():
     for r in shardkit.spawn(compile_run, 2, 2, threads_per_rank=1):
         for strategy in STRATEGIES:

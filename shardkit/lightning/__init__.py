@@ -1,4 +1,4 @@
-"""shardkit as a PyTorch Lightning strategy: `Trainer(strategy="shardkit")` (pip install 'shardkit[lightning]')."""
+"""shardkit as a Lightning strategy: `Trainer(strategy="shardkit")`, `Fabric(strategy="shardkit")` (the lightning extra)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,18 @@ from ..install_hint import pip_install_extra
 
 
 def __getattr__(name: str) -> Any:
-    """ShardkitStrategy, imported with Lightning on first use."""
-    if name != "ShardkitStrategy":
+    """ShardkitStrategy (Trainer) and ShardkitFabricStrategy, imported with Lightning on first use."""
+    if name not in __all__:
         raise AttributeError(f"module 'shardkit.lightning' has no attribute {name!r}")
     try:
+        from .fabric import ShardkitFabricStrategy
         from .strategy import ShardkitStrategy
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] == "lightning":
             raise ShardkitError(f"ShardkitStrategy needs Lightning, which is not installed "
                                 f"({exc}). HINT: {pip_install_extra('lightning')}") from exc
         raise
-    return ShardkitStrategy
+    return ShardkitStrategy if name == "ShardkitStrategy" else ShardkitFabricStrategy
 
 
-__all__ = ["ShardkitStrategy"]
+__all__ = ["ShardkitFabricStrategy", "ShardkitStrategy"]

@@ -1,10 +1,11 @@
-"""Put "shardkit" in Lightning's strategy registry when Lightning is imported, without importing it.
+"""Put "shardkit" in Lightning's strategy registries when Lightning is imported, without importing it.
 
 Lightning resolves `Trainer(strategy="shardkit")` from `lightning.pytorch.strategies.
-StrategyRegistry` while the Trainer is being built, and reads no entry point for strategies (its
+StrategyRegistry` (and Fabric from `lightning.fabric.strategies.STRATEGY_REGISTRY`) while the
+Trainer is being built, and reads no entry point for strategies (its
 only entry-point group, `lightning.pytorch.callbacks_factory`, is read after the strategy is
-chosen). So `import shardkit` installs an import hook that registers the strategy right after
-Lightning's strategies module has run, or at once if it already has; Lightning itself is never
+chosen). So `import shardkit` installs import hooks that register the strategies right after
+Lightning's strategies modules have run, or at once if they already have; Lightning itself is never
 imported by shardkit (it takes seconds, and most users of shardkit never use it).
 """
 
@@ -19,6 +20,7 @@ from typing import Any, Callable
 from typing_extensions import override
 
 TRAINER_STRATEGIES = "lightning.pytorch.strategies"
+FABRIC_STRATEGIES = "lightning.fabric.strategies"
 
 
 def register_trainer_strategy(strategies: ModuleType) -> None:
@@ -26,6 +28,18 @@ def register_trainer_strategy(strategies: ModuleType) -> None:
     from .strategy import ShardkitStrategy
 
     ShardkitStrategy.register_strategies(strategies.StrategyRegistry)
+
+
+def register_fabric_strategy(strategies: ModuleType) -> None:
+    """Register ShardkitFabricStrategy in Fabric's strategy registry (in `strategies`)."""
+    from .fabric import ShardkitFabricStrategy
+
+    ShardkitFabricStrategy.register_strategies(strategies.STRATEGY_REGISTRY)
+
+
+# module Lightning registers its strategies in -> (the registry's name there, how to register)
+_WATCHED = {TRAINER_STRATEGIES: ("StrategyRegistry", register_trainer_strategy),
+            FABRIC_STRATEGIES: ("STRATEGY_REGISTRY", register_fabric_strategy)}
 
 
 class _RunAfter(importlib.abc.Loader):
@@ -68,10 +82,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Register now if Lightning's strategies are loaded, else when they are (idempotent)."""
-    loaded = sys.modules.get(TRAINER_STRATEGIES)
-    if loaded is not None and hasattr(loaded, "StrategyRegistry"):
-        register_trainer_strategy(loaded)
-        return
-    if not any(isinstance(f, _AfterImport) and f.name == TRAINER_STRATEGIES for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(TRAINER_STRATEGIES, register_trainer_strategy))
+    """Register now where Lightning's strategies are loaded, else when they are (idempotent)."""
+    for name, (registry, register) in _WATCHED.items():
+        loaded = sys.modules.get(name)
+        if loaded is not None and hasattr(loaded, registry):
+            register(loaded)
+        elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+            sys.meta_path.insert(0, _AfterImport(name, register))

@@ -10,7 +10,6 @@ callbacks, schedulers) as the checkpoint's `extra`.
 
 from __future__ import annotations
 
-import inspect
 import os
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -22,26 +21,17 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
 from typing_extensions import override
 
 from ..errors import ShardkitError
-from ..suggest import did_you_mean
-from .precision import clip_over_shards, mixed_precision_for
+from .common import RankPlace, check_options, join_job, shard_module
+from .precision import clip_over_shards
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
-# shard() options the strategy sets itself (the backend, the device) or takes by name.
-_OWN = {"model", "backend", "device_id", "strategy", "auto_wrap_policy"}
 
 
-def shard_option_names() -> list[str]:
-    """The shardkit.shard() keyword arguments ShardkitStrategy passes through."""
-    from ..sharding.api import shard
-
-    return sorted(set(inspect.signature(shard).parameters) - _OWN)
-
-
-class ShardkitStrategy(ParallelStrategy):
+class ShardkitStrategy(RankPlace, ParallelStrategy):
     """Trainer(strategy=ShardkitStrategy(...)) or Trainer(strategy="shardkit"): shardkit.shard() the LightningModule."""
 
     strategy_name = "shardkit"
@@ -54,12 +44,7 @@ class ShardkitStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        valid = shard_option_names()
-        for name in shard_options:
-            if name not in valid:
-                raise ShardkitError(f"ShardkitStrategy got an unknown option {name!r}"
-                                    f"{did_you_mean(name, valid)}; shard() options: "
-                                    f"strategy, auto_wrap_policy, {', '.join(valid)}")
+        check_options("ShardkitStrategy", backend, shard_options)
         self._shard_options = dict(strategy=strategy, auto_wrap_policy=auto_wrap_policy,
                                    **shard_options)
         self._backend = backend
@@ -68,25 +53,9 @@ class ShardkitStrategy(ParallelStrategy):
 
     # ---- where this rank is -----------------------------------------------------------------
     @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        """Ranks on this node."""
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
     def is_distributed(self) -> bool:
         """Lightning adds a DistributedSampler when this is True."""
         return True
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     @override
@@ -98,14 +67,6 @@ class ShardkitStrategy(ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False
 
-    def set_world_ranks(self) -> None:
-        """Tell the cluster environment this rank's global rank and the world size."""
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes
-                                                     + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -116,18 +77,11 @@ class ShardkitStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        # As the Trainer's DDP and FSDP strategies do: back to the seed_everything() seed, so
+        # random draws from here on (dropout) are DDP's, whatever building the model consumed.
+        reset_seed()
         self.set_world_ranks()
-        env = self.cluster_environment
-        assert env is not None
-        # What torchrun would have set: shardkit.init() reads the job from the environment and
-        # makes the process group (its own rendezvous checks and failure watchdog included).
-        os.environ.update(RANK=str(self.global_rank), WORLD_SIZE=str(self.world_size),
-                          LOCAL_RANK=str(self.local_rank),
-                          LOCAL_WORLD_SIZE=str(self.num_processes),
-                          MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port))
-        from ..runtime import init
-
-        init(self._backend or self.root_device.type, timeout=self._timeout)
+        join_job(self, self._backend, self._timeout)
 
     # ---- the model --------------------------------------------------------------------------
     @override
@@ -145,16 +99,10 @@ class ShardkitStrategy(ParallelStrategy):
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        from ..sharding.api import shard
         from ..sharding.forward_methods import register_forward_method
-        from ..sharding.hooks import unit_of
 
-        if unit_of(model) is None:  # setup() runs again for trainer.validate()/test() after fit()
-            options = dict(self._shard_options)
-            if "mixed_precision" not in options:
-                options["mixed_precision"] = mixed_precision_for(self.precision_plugin.precision)
-            model = shard(model, backend=self._backend or self.root_device.type,
-                          device_id=self.root_device, **options)
+        model = shard_module(model, self._shard_options, self.precision_plugin.precision,
+                             self._backend, self.root_device)
         for name in STEP_METHODS:
             if callable(getattr(model, name, None)):
                 register_forward_method(model, name)
