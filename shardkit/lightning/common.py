@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..errors import ShardkitError
 from ..suggest import did_you_mean
@@ -73,7 +74,8 @@ def shard_module(module: torch.nn.Module, options: dict[str, Any], precision: st
 
 
 class RankPlace:
-    """Where this rank is, for both strategies (mixed in before Lightning's ParallelStrategy)."""
+    """Where this rank is, and the barrier and broadcast Lightning asks for, for both strategies
+    (mixed in before Lightning's ParallelStrategy)."""
 
     parallel_devices: list[torch.device] | None
     cluster_environment: Any
@@ -107,3 +109,16 @@ class RankPlace:
                                                      + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank (a no-op before the process group exists)."""
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s picklable `obj` on every rank."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]

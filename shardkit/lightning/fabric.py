@@ -14,7 +14,6 @@ from datetime import timedelta
 from typing import Any, Generator
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
@@ -126,19 +125,6 @@ class ShardkitFabricStrategy(RankPlace, ParallelStrategy):
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
 
     # ---- checkpoints ------------------------------------------------------------------------
     @override

@@ -16,7 +16,6 @@ from datetime import timedelta
 from typing import Any, Generator
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -131,19 +130,6 @@ class ShardkitStrategy(RankPlace, ParallelStrategy):
             yield
 
     # ---- collectives for Lightning's own use (metrics, logging, decisions) -------------------
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
