@@ -198,6 +198,20 @@ class Backend:
         """Copies of `tensors` in host memory (lazy devices run all of them as one graph first)."""
         return [t.detach().cpu() for t in tensors]
 
+    def snapshot_to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of `tensors` that later in-place updates on the device leave unchanged."""
+        if self.capabilities.has_streams and any(t.device.type != "cpu" for t in tensors):
+            # Pinned staging: the device-to-host copies queue together and one sync waits for all.
+            staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for dst, src in zip(staged, tensors):
+                dst.copy_(src.detach(), non_blocking=True)
+            self.synchronize(next(t.device for t in tensors if t.device.type != "cpu"))
+            return staged
+        hosted = self.to_host(tensors)
+        # On the host, to_host may hand back the tensor itself; the optimizer would then change it.
+        return [h.clone() if h.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                else h for h, t in zip(hosted, tensors)]
+
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
         """Return current and peak memory in bytes: {"allocated": .., "peak": ..} (the demo's memory report)."""
         module = self.device_module()

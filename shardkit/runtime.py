@@ -118,6 +118,9 @@ def require_context(backend: str | Backend | None = None) -> DistContext:
 def shutdown() -> None:
     """Tear down the process group made by `init()` and forget the context.
 
+    Background checkpoint saves this process started are waited for first (unless an exception
+    is on its way out: a peer may be gone, and the previous checkpoint stays the valid one).
+
     Called while an exception is on its way out (the `finally: shardkit.shutdown()` of a failing
     loop, or an `except` block), it first reports that exception as an uncaught one would be: a
     rank's own error is posted so its peers name it, and a collective that failed because of a
@@ -128,6 +131,11 @@ def shutdown() -> None:
     ctx = current_context()
     in_flight = sys.exc_info()[1]
     replacement = None
+    writer = sys.modules.get("shardkit.checkpoint.background")
+    if writer is not None and in_flight is None:
+        # A job's last save(background=True) completes before the job ends (a rank that
+        # multiprocessing started never runs atexit handlers).
+        writer.wait_pending()
     if ctx is not None:
         if in_flight is not None:
             # Once the watchdog is stopped below, this rank's failure could no longer be told

@@ -1,8 +1,11 @@
 """Checkpoints for sharded models: DCP sharded save/load at any world size, full state dicts, safetensors.
 
 ``save``/``load`` write and read sharded checkpoints (torch.distributed.checkpoint) that reshard on
-load; ``full_state_dict`` and ``export`` gather unit by unit; ``load_full_state_dict`` loads full
-weights into a sharded model; ``consolidate`` and ``inspect`` (``inspect_checkpoint``) work offline.
+load (``save(..., background=True)`` writes from a thread once the shards are copied to host
+memory); ``latest`` and ``complete`` name the complete checkpoints in a directory, for a restarted
+job to resume from; ``full_state_dict`` and ``export`` gather unit by unit;
+``load_full_state_dict`` loads full weights into a sharded model; ``consolidate`` and ``inspect``
+(``inspect_checkpoint``) work offline.
 """
 
 from importlib import import_module
@@ -15,7 +18,9 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 # registers these subcommands without needing it.
 _LAZY = {"save": "sharded", "load": "sharded", "full_state_dict": "full", "export": "full",
          "load_full_state_dict": "full", "consolidate": "offline",
-         "inspect_checkpoint": "offline", "format_inspection": "offline"}
+         "inspect_checkpoint": "offline", "format_inspection": "offline",
+         "latest": "resume", "complete": "resume",
+         "BackgroundSave": "background"}
 
 
 def __getattr__(name: str) -> Any:
@@ -27,7 +32,7 @@ def __getattr__(name: str) -> Any:
     return getattr(import_module(f".{_LAZY[name]}", __name__), name)
 
 
-__all__ = ["CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
-           "IncompleteCheckpointError", "StateDictMismatchError", "consolidate", "export",
-           "format_inspection", "full_state_dict", "inspect", "inspect_checkpoint", "load",
+__all__ = ["BackgroundSave", "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
+           "IncompleteCheckpointError", "StateDictMismatchError", "complete", "consolidate", "export",
+           "format_inspection", "full_state_dict", "inspect", "inspect_checkpoint", "latest", "load",
            "load_full_state_dict", "save"]

@@ -49,7 +49,8 @@ def _host_chunks(backend: Any, chunks: dict[str, FlatChunk]) -> dict[str, FlatCh
     return {k: FlatChunk(t, chunks[k].offset, chunks[k].full_numel) for k, t in zip(keys, hosted)}
 
 
-def _write_rank(directory: str, chunks: dict[str, FlatChunk], rank: int) -> None:
+def write_rank(directory: str, chunks: dict[str, FlatChunk], rank: int) -> None:
+    """Write this rank's host chunks as DCP's ``__<rank>_0.distcp`` and leave its plan for write_metadata."""
     planner = FlatChunkSavePlanner()
     writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
     planner.set_up_planner(chunks, None, rank == 0)
@@ -65,7 +66,8 @@ def _write_rank(directory: str, chunks: dict[str, FlatChunk], rank: int) -> None
         os.fsync(f.fileno())
 
 
-def _write_metadata(directory: str, world_size: int) -> None:
+def write_metadata(directory: str, world_size: int) -> None:
+    """Build DCP's global ``.metadata`` from every rank's plan file (then removed), as dcp.save would."""
     plans, results = [], []
     for rank in range(world_size):
         path = os.path.join(directory, PLAN_FILE.format(rank=rank))
@@ -88,7 +90,7 @@ def save_chunks_from_host(directory: str, chunks: dict[str, FlatChunk], ctx: Any
     hosted = _host_chunks(ctx.backend, chunks)
     failure = None
     try:
-        _write_rank(directory, hosted, ctx.rank)
+        write_rank(directory, hosted, ctx.rank)
     except (OSError, CheckpointError) as exc:
         failure = exc
     # Also the barrier: rank 0 reads every rank's plan only after all have written theirs.
@@ -96,7 +98,7 @@ def save_chunks_from_host(directory: str, chunks: dict[str, FlatChunk], ctx: Any
         raise CheckpointError(f"writing the checkpoint shards into {directory} failed on rank "
                               f"{ctx.rank if failure else 'another rank'}: {failure or 'see its error'}")
     collective.on_rank0(ctx, f"writing the DCP metadata of {directory}",
-                        lambda: _write_metadata(directory, ctx.world_size))
+                        lambda: write_metadata(directory, ctx.world_size))
 
 
 def load_chunks_to_device(directory: str, chunks: dict[str, FlatChunk]) -> None:

@@ -168,5 +168,9 @@ def remove_stale_tmp(path: str, keep: str) -> None:
     parent, base = os.path.split(os.path.abspath(path))
     for name in os.listdir(parent):
         full = os.path.join(parent, name)
-        if name.startswith(base + TMP_MARK) and full != keep and os.path.isdir(full):
+        if not name.startswith(base + TMP_MARK) or full == keep:
+            continue
+        if os.path.isdir(full):
             shutil.rmtree(full, ignore_errors=True)
+        elif name.endswith(".failed"):  # a failed background save's report, already raised
+            os.remove(full)

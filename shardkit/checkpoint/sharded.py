@@ -80,8 +80,16 @@ def _optimizer_state(model, optimizer):
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         extra: Any = None, step: int | None = None) -> str:
-    """Collective: write a sharded checkpoint of model (+ optimizer, + `extra` from rank 0) atomically to `path`."""
+         extra: Any = None, step: int | None = None, background: bool = False) -> Any:
+    """Collective: write a sharded checkpoint of model (+ optimizer, + `extra` from rank 0) atomically to `path`.
+
+    Returns the path. background=True returns once this rank's shards are copied to host memory
+    and writes them in a thread: a BackgroundSave handle whose wait() returns the path when the
+    checkpoint is complete (the next save, load, and the end of the process wait for it too).
+    """
+    from . import background as bg
+
+    bg.wait_pending()  # one save at a time per process, in the order they were asked for
     ctx = collective.context()
     path = os.path.abspath(os.fspath(path))
     entries = model_entries(model)
@@ -102,8 +110,17 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         if _writes(view):
             chunks[optim_key(fqn, key)] = _chunk(value, view)
 
-    tmp = f"{path}{mf.TMP_MARK}{collective.shared_token(ctx):012x}"
+    save_id = f"{collective.shared_token(ctx):012x}"
+    tmp = f"{path}{mf.TMP_MARK}{save_id}"
+    info = {**_info(model, entries, shards, ctx, extra, step, optimizer), "save_id": save_id}
     collective.on_rank0(ctx, f"creating {tmp}", lambda: _make_tmp(path, tmp))
+    if background:
+        keys = list(chunks)
+        copies = ctx.backend.snapshot_to_host([chunks[k].local for k in keys])
+        hosted = {k: FlatChunk(c, chunks[k].offset, chunks[k].full_numel)
+                  for k, c in zip(keys, copies)}
+        return bg.start(bg.SaveJob(path, tmp, ctx.rank, ctx.world_size, save_id, hosted,
+                                   STATE_FILE, state_blob or b"", info))
     _write_shards(ctx, path, tmp, chunks)
     collective.on_rank0(ctx, f"writing {STATE_FILE}", lambda: _write_synced(
         os.path.join(tmp, STATE_FILE), state_blob))
@@ -112,7 +129,6 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     mine = {i: mf.sha256_file(os.path.join(tmp, rel))
             for i, rel in enumerate(files) if i % ctx.world_size == ctx.rank}
     digests = dict(zip(files, collective.merge_digests(ctx, mine, len(files))))
-    info = _info(model, entries, shards, ctx, extra, step, optimizer)
     collective.on_rank0(ctx, f"saving {path}", lambda: (
         mf.write_manifest(tmp, info, digests), mf.replace_dir(tmp, path)))
     return path
@@ -246,6 +262,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
     as they are (a new head on a pretrained trunk); shapes must still agree. The optimizer, when
     given, must match the checkpoint's in every case.
     """
+    from .background import wait_pending
+
+    wait_pending()  # a checkpoint this process is still writing is read once complete
     ctx = collective.context()
     directory = mf.resolve(os.fspath(path))
     manifest = mf.read_manifest(directory)

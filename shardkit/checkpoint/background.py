@@ -1,0 +1,229 @@
+"""Background saves: the step pays for copying shards to host memory; a thread writes them with no collectives.
+
+Why no collectives in the writer thread: training keeps issuing collectives on the same process
+group from the main thread, and a second thread issuing its own would interleave with them in a
+different order on each rank (a hang, or one rank's gradients summed with another's checkpoint
+bytes). So the writers coordinate through the checkpoint directory, which every rank already
+shares for a synchronous save: each rank writes its DCP shard file and a marker with its files'
+sha256; rank 0 waits for every marker, writes the DCP metadata, `extra` and the manifest, and
+renames the directory into place. Until that rename the previous checkpoint at the path is the
+one `load` reads; a kill at any moment leaves only an unfinished ``<path>.tmp-*`` directory,
+which the next save removes. A failure on any rank is written beside that directory as
+``<tmp>.failed`` so every rank's `wait()` raises with the cause.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from . import manifest as mf
+from .dcp_io import FlatChunk
+from .errors import CheckpointError
+from .host_io import write_metadata, write_rank
+
+DONE_MARK = ".shardkit_rank{rank}.done"
+FAILED_SUFFIX = ".failed"
+_POLL_S = 0.02
+# How long rank 0 waits for the other ranks' shard files: a rank that died mid-save never writes.
+WRITE_TIMEOUT_S = float(os.environ.get("SHARDKIT_CHECKPOINT_TIMEOUT", "1800"))
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Everything a background writer needs, taken in the step; it reads nothing from the model."""
+
+    path: str
+    tmp: str
+    rank: int
+    world_size: int
+    save_id: str
+    chunks: dict[str, FlatChunk]  # host copies, owned by the job
+    state_file: str
+    state_blob: bytes  # rank 0's serialised `extra` and optimizer groups (empty elsewhere)
+    info: dict
+
+
+class BackgroundSave:
+    """A checkpoint being written in the background: `wait()` for it, `done()` to ask."""
+
+    def __init__(self, job: SaveJob) -> None:
+        self.path = job.path
+        self.host_bytes = sum(c.local.numel() * c.local.element_size() for c in job.chunks.values())
+        self._job: SaveJob | None = job
+        self._error: BaseException | None = None
+        self._finished = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"shardkit-save-{job.save_id}",
+                                        daemon=True)
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    def done(self) -> bool:
+        """True once this rank knows the save's outcome (complete, or failed)."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the checkpoint is complete on disk and return its path; raise if the save failed."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the background save to {self.path} is still being written "
+                               f"after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def _run(self) -> None:
+        job = self._job
+        assert job is not None
+        try:
+            _write_part(job)
+            if job.rank == 0:
+                _finish(job)
+            _await_outcome(job)
+        except BaseException as exc:  # noqa: BLE001 - kept and raised by wait() in the caller's thread
+            self._error = exc if isinstance(exc, CheckpointError) else CheckpointError(
+                f"the background save to {job.path} failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._job = None  # the host copies go as soon as they are written
+            self._finished.set()
+            _forget(self)
+
+
+_pending: list[BackgroundSave] = []
+_lock = threading.Lock()
+
+
+def start(job: SaveJob) -> BackgroundSave:
+    """Start writing `job` in a thread; the returned handle is also awaited by the next save and at exit."""
+    handle = BackgroundSave(job)
+    with _lock:
+        _pending.append(handle)
+    handle._start()
+    return handle
+
+
+def _forget(handle: BackgroundSave) -> None:
+    with _lock:
+        if handle in _pending:
+            _pending.remove(handle)
+
+
+def wait_pending() -> None:
+    """Wait for every background save this process started; raise the first failure."""
+    with _lock:
+        handles = list(_pending)
+    for handle in handles:
+        handle.wait()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    # A script that ends right after save(background=True) still gets its checkpoint.
+    for handle in list(_pending):
+        try:
+            handle.wait()
+        except (CheckpointError, TimeoutError) as exc:
+            print(f"shardkit: {exc}", flush=True)
+
+
+def _write_part(job: SaveJob) -> None:
+    """Write this rank's shard file, then its marker listing that file's sha256 (the marker comes last)."""
+    try:
+        write_rank(job.tmp, job.chunks, job.rank)
+        digests = {rel: mf.sha256_file(os.path.join(job.tmp, rel))
+                   for rel in mf.data_files(job.tmp) if rel.startswith(f"__{job.rank}_")}
+        mf.write_json_atomic(os.path.join(job.tmp, DONE_MARK.format(rank=job.rank)), digests)
+    except Exception as exc:
+        _report_failure(job, f"rank {job.rank} could not write its shards into {job.tmp}: "
+                             f"{type(exc).__name__}: {exc}")
+        raise CheckpointError(_failure_text(job)) from exc
+
+
+def _finish(job: SaveJob) -> None:
+    """Rank 0: once every rank's marker is there, write metadata, state and manifest, then rename."""
+    deadline = time.monotonic() + WRITE_TIMEOUT_S
+    markers = [os.path.join(job.tmp, DONE_MARK.format(rank=r)) for r in range(job.world_size)]
+    while not all(os.path.exists(m) for m in markers):
+        if os.path.exists(job.tmp + FAILED_SUFFIX):
+            shutil.rmtree(job.tmp, ignore_errors=True)
+            raise CheckpointError(_failure_text(job))
+        if time.monotonic() > deadline:
+            missing = [r for r, m in enumerate(markers) if not os.path.exists(m)]
+            _report_failure(job, f"rank(s) {missing} did not finish writing their shards within "
+                                 f"{WRITE_TIMEOUT_S:.0f} s (SHARDKIT_CHECKPOINT_TIMEOUT)")
+            raise CheckpointError(_failure_text(job))
+        time.sleep(_POLL_S)
+    try:
+        digests: dict[str, str] = {}
+        for marker in markers:
+            with open(marker) as f:
+                digests.update(json.load(f))
+            os.remove(marker)
+        write_metadata(job.tmp, job.world_size)
+        state_path = os.path.join(job.tmp, job.state_file)
+        with open(state_path, "wb") as f:
+            f.write(job.state_blob)
+            f.flush()
+            os.fsync(f.fileno())
+        for rel in mf.data_files(job.tmp):
+            if rel not in digests:
+                digests[rel] = mf.sha256_file(os.path.join(job.tmp, rel))
+        mf.write_manifest(job.tmp, job.info, digests)
+        mf.replace_dir(job.tmp, job.path)
+    except Exception as exc:
+        _report_failure(job, f"rank 0 could not complete {job.path}: {type(exc).__name__}: {exc}")
+        raise CheckpointError(_failure_text(job)) from exc
+
+
+def _await_outcome(job: SaveJob) -> None:
+    """Return once the manifest carrying this save's id is in place; raise on a reported failure."""
+    deadline = time.monotonic() + WRITE_TIMEOUT_S + 60
+    while not _is_complete(job):
+        if os.path.exists(job.tmp + FAILED_SUFFIX):
+            raise CheckpointError(_failure_text(job))
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"the background save to {job.path} did not complete within "
+                                  f"{WRITE_TIMEOUT_S:.0f} s; rank 0 may have died. The previous "
+                                  "checkpoint there, if any, is untouched.")
+        time.sleep(_POLL_S)
+
+
+def _is_complete(job: SaveJob) -> bool:
+    # The save that follows this one waits for it first, so the id cannot be overwritten unseen;
+    # `.old` holds it for the instant between replace_dir's two renames.
+    for directory in (job.path, job.path + mf.OLD_SUFFIX):
+        try:
+            with open(os.path.join(directory, mf.MANIFEST_FILE)) as f:
+                if json.load(f).get("save_id") == job.save_id:
+                    return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def _report_failure(job: SaveJob, text: str) -> None:
+    try:
+        with open(job.tmp + FAILED_SUFFIX, "x") as f:
+            f.write(text)
+    except FileExistsError:
+        return  # the first failure is the one to report
+    except OSError:
+        pass
+    if job.rank == 0:
+        shutil.rmtree(job.tmp, ignore_errors=True)  # never a checkpoint; give the space back
+
+
+def _failure_text(job: SaveJob) -> str:
+    try:
+        with open(job.tmp + FAILED_SUFFIX) as f:
+            cause = f.read()
+    except OSError:
+        cause = "the cause was not recorded"
+    return (f"the background save to {job.path} failed: {cause}. Any previous checkpoint at "
+            f"{job.path} is untouched. HINT: free space on that file system or save somewhere "
+            "writable.")
+
