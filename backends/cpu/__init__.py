@@ -10,6 +10,8 @@ from typing_extensions import override
 
 from shardkit import Backend, Capabilities, Group, ReduceOp, Work, hookimpl
 from shardkit.backend import check_flat_sizes, process_memory
+from shardkit.launch_env import LaunchEnv
+from shardkit.logs import logger
 from shardkit.handles import ComposedWork
 
 
@@ -74,6 +76,22 @@ class CPUBackend(Backend):
     def process_group_backend(self) -> str:
         """gloo: the CPU collective library shipped inside torch."""
         return "gloo"
+
+    @override
+    def init_process_group(self, env: LaunchEnv, timeout: datetime.timedelta) -> Group:
+        """Join the job's gloo group; across nodes, pick gloo's interface if the host name is loopback."""
+        import os
+        import socket
+
+        from .interface import gloo_interface
+
+        name = gloo_interface(os.environ, env.world_size, env.local_world_size, env.master_addr,
+                              socket.gethostname())
+        if name is not None:
+            logger.info("GLOO_SOCKET_IFNAME=%s: the host name resolves to loopback, and %s is "
+                        "the interface toward MASTER_ADDR %s", name, name, env.master_addr)
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+        return super().init_process_group(env, timeout)
 
     @override
     def indexed_device(self, index: int) -> torch.device:

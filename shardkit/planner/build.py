@@ -28,6 +28,7 @@ from ..sharding.policies import MixedPrecision, ShardConfig, ShardingStrategy
 from ..sharding.reshard import ReshardSpec, resolve, unit_label
 from ..wrap import WrapPolicy, as_policy
 from .activations import InputsFn
+from .nodes import inter_node_by_rank
 from .replay import Timeline
 from .optimizers import state_tensors
 from .result import Plan, UnitRow
@@ -74,13 +75,17 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
          shard_alignment: int | None = None, backend: object = None, prefetch: int = 1,
          reshard_after_forward: ReshardSpec = None, batch: int | None = None,
          seq: int | None = None, activation_checkpointing: bool = False,
-         example_inputs: InputsFn | None = None) -> Plan:
+         example_inputs: InputsFn | None = None, nodes: int | None = None) -> Plan:
     """Predict per-rank memory and bytes sent per step for `model` sharded as shard() would.
 
     The model may live on the meta device (nothing is allocated; a 70B config plans in seconds).
     - world_size, strategy, auto_wrap_policy, mixed_precision, cpu_offload, prefetch and
       hybrid_group_size mean what they mean for shardkit.shard(); hybrid_group_size defaults to
-      world_size here (shard() defaults to the local world size).
+      the ranks per node when `nodes` is given, else world_size (shard() defaults to the local
+      world size).
+    - nodes: the ranks are spread over this many nodes, numbered node by node as torchrun does;
+      comm["inter_node_by_rank"] then says, per rank, the bytes sent to another node per step
+      (what comm_stats(model)["inter_node"] counts on that rank).
     - optimizer: "adam", "adamw", "adadelta" or "sgd" (the state tensors kept per parameter).
     - shard_alignment: pad shards to multiples of this many elements, or backend=<name> to take
       the alignment from that backend's capabilities (it is not started), and with it which
@@ -106,9 +111,10 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     n_states = state_tensors(optimizer)
     if hybrid_group_size is not None:
         _positive_int("hybrid_group_size", hybrid_group_size)
-    # local_world_size=world: shard() would default HYBRID's group to the local world size,
-    # which a plan made off the cluster cannot know; the docstring says world_size is used.
-    group = shard_group_size(strat, hybrid_group_size, world, world)
+    per_node = _ranks_per_node(world, nodes)
+    # shard() defaults HYBRID's group to the local world size: the ranks per node when `nodes`
+    # says it, else (a plan made off the cluster) the world size, as the docstring says.
+    group = shard_group_size(strat, hybrid_group_size, per_node, world)
     replicas = world // group
     align, direct = backend_facts(shard_alignment, backend)
     units = plan_units(model, as_policy(auto_wrap_policy))
@@ -121,6 +127,10 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
                                            direct, config, n_states)
     result = _assemble(rows, split, stats, world, strat, group, replicas, align, optimizer, mp,
                        bool(cpu_offload), prefetch)
+    if nodes is not None:
+        calls = [c for row in rows for c in row.collectives]
+        result.comm["nodes"] = nodes
+        result.comm["inter_node_by_rank"] = inter_node_by_rank(calls, world, group, per_node)
     if batch is None:
         if seq is not None or activation_checkpointing or example_inputs is not None:
             raise ShardkitError("seq, activation_checkpointing and example_inputs need batch= "
@@ -131,6 +141,16 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
                         _positive_int("seq", seq), example_inputs, mp.param_dtype, direct)
     return step_plan(result, workload.timeline(activation_checkpointing, batch), batch, seq,
                      activation_checkpointing)
+
+
+def _ranks_per_node(world: int, nodes: int | None) -> int:
+    if nodes is None:
+        return world
+    _positive_int("nodes", nodes)
+    if world % nodes:
+        raise ShardkitError(f"world_size {world} does not split evenly over {nodes} nodes; "
+                            "HINT: torchrun starts the same number of ranks on every node")
+    return world // nodes
 
 
 def step_plan(static: Plan, timeline: Timeline, batch: int, seq: int | None,

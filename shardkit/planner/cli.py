@@ -87,7 +87,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="FULL_SHARD", type=str.upper,
                    choices=STRATEGY_NAMES)
     p.add_argument("--hybrid-group-size", type=positive_int, default=None,
-                   help="HYBRID_SHARD shard group size (default: the world size)")
+                   help="HYBRID_SHARD shard group size (default: the ranks per node with "
+                        "--nodes, else the world size)")
+    p.add_argument("--nodes", type=positive_int, default=None,
+                   help="spread the ranks over this many nodes (node by node, as torchrun): "
+                        "also print the bytes each rank sends to another node per step")
     p.add_argument("--wrap", default=None, metavar="CLASSNAME[,CLASSNAME]",
                    help="module classes that become units (default for --hf-config: the "
                         "model's _no_split_modules; otherwise only the root unit)")
@@ -148,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     options = dict(auto_wrap_policy=wrap_by_class_names(model, wrap_names),
                    mixed_precision=mixed_precision(args.mixed_precision), optimizer=args.optimizer,
                    hybrid_group_size=args.hybrid_group_size, backend=args.backend,
-                   prefetch=args.prefetch)
+                   prefetch=args.prefetch, nodes=args.nodes)
     heading = (f"model: {type(model).__name__}; units: "
                f"{', '.join(sorted(wrap_names)) or 'the root module only'}")
     if args.step_time is not None and (args.device_memory is not None or args.world_size == "auto"):

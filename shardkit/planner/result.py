@@ -117,7 +117,16 @@ class Plan:
                   f"sent per rank per step: {_size(self.comm['total'])} = " + " + ".join(
                       f"{k} {_size(self.comm[k])} ({self.comm['calls'].get(k, 0)} calls)"
                       for k in COLLECTIVES)]
+        if "inter_node_by_rank" in self.comm:
+            lines.append(self._inter_node_line())
         return "\n".join(lines)
+
+    def _inter_node_line(self) -> str:
+        per_rank = [r["total"] for r in self.comm["inter_node_by_rank"]]
+        shown = ", ".join(f"rank {i} {_size(b)}" for i, b in enumerate(per_rank[:8]))
+        more = f", ... ({len(per_rank)} ranks)" if len(per_rank) > 8 else ""
+        return (f"sent to another node per step ({self.comm['nodes']} nodes, ring order): "
+                f"{_size(sum(per_rank))} in all; {shown}{more}")
 
 
 def _row_key(u: UnitRow) -> tuple:

@@ -139,7 +139,7 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
                                              ctx.env.local_world_size)
     reshard_groups = make_reshard_groups(be, ctx.world, shard_group, reshard)
     state = ShardState(maybe_wrap(be, verify, ctx.timeout), device, ctx.world, shard_group,
-                       replica_group, config)
+                       replica_group, config, ranks_per_node=ctx.env.local_world_size or None)
     shard_device = torch.device("cpu") if config.cpu_offload else device
     by_param: dict[int, ShardedParam] = {}
 

@@ -88,7 +88,8 @@ def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device:
             else:
                 inp.copy_(source)
         if stats is not None:
-            stats.all_gather(inp.numel() * inp.element_size(), group.size)
+            stats.all_gather(inp.numel() * inp.element_size(), group.size,
+                             stats.crosses_node(group))
         with trace_range("shardkit::all_gather"):
             work = backend.all_gather_into_tensor(out, inp, group, async_op=async_op)
         event = backend.new_event()
@@ -215,7 +216,8 @@ def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, devi
     with backend.use_stream(stream):
         out = torch.empty(inp.shape[1], dtype=inp.dtype, device=device)
         if stats is not None:
-            stats.reduce_scatter(out.numel() * out.element_size(), group.size)
+            stats.reduce_scatter(out.numel() * out.element_size(), group.size,
+                                 stats.crosses_node(group))
         with trace_range("shardkit::reduce_scatter"):
             work = backend.reduce_scatter_tensor(out, inp.view(-1), group, op=plan.scatter_op,
                                                  async_op=True,
@@ -237,7 +239,8 @@ def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backen
     backend.record_stream(out, current)
     if replica is not None and replica.size > 1:
         if stats is not None:
-            stats.all_reduce(out.numel() * out.element_size(), replica.size)
+            stats.all_reduce(out.numel() * out.element_size(), replica.size,
+                             stats.crosses_node(replica))
         backend.all_reduce(out, replica, op=pending.plan.replica_op, async_op=False,
                            **factor_kwargs(pending.plan.replica_factor)).wait()
     if pending.plan.post_divide != 1.0:

@@ -20,7 +20,8 @@ class ShardState:
     """Everything one sharded model needs at run time; stored on the root module, never global."""
 
     def __init__(self, backend: Backend, device: torch.device, world: Group, shard_group: Group,
-                 replica_group: Group | None, config: ShardConfig) -> None:
+                 replica_group: Group | None, config: ShardConfig,
+                 ranks_per_node: int | None = None) -> None:
         self.backend = backend
         self.device = device  # compute device
         self.world = world
@@ -30,7 +31,7 @@ class ShardState:
         caps = backend.capabilities
         self.async_collectives = caps.async_collectives
         self.needs_compiler_barrier = caps.needs_compiler_barrier
-        self.stats = CommStats()
+        self.stats = CommStats(ranks_per_node)
         # Separate streams let gathers and reductions overlap compute (null objects without streams).
         self.gather_stream = backend.new_stream(device)
         self.reduce_stream = backend.new_stream(device)

@@ -1,0 +1,43 @@
+"""Which of each rank's bytes cross a node boundary: the engine's ring rule applied to every rank.
+
+A rank's ring sends go to the next rank of the group it collects in; ranks are numbered node by
+node. Shard groups (and reshard_after_forward=k groups) are runs of consecutive ranks, replica
+groups take every shard-group-size-th rank, exactly as sharding/groups.py builds them, so the
+prediction equals what comm_stats(model)["inter_node"] counts on each rank.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+from ..sharding.traffic import KINDS, bytes_sent, successor_off_node
+
+
+def ring_of(kind: str, size: int, rank: int, world: int, shard_group: int) -> list[int]:
+    """The global ranks of the group `rank` runs a `kind` collective of `size` ranks in."""
+    if kind == "all_reduce":  # across replicas: the same position in every shard group
+        return list(range(rank % shard_group, world, shard_group))
+    start = rank - rank % size
+    return list(range(start, start + size))
+
+
+def inter_node_by_rank(collectives: Iterable[tuple[str, int, int]], world: int, shard_group: int,
+                       ranks_per_node: int) -> list[dict[str, int]]:
+    """Per rank: {kind: bytes sent to another node, ..., "total"} for one step's collectives."""
+    sums: list[defaultdict[str, float]] = [defaultdict(float) for _ in range(world)]
+    for kind, payload, size in collectives:
+        if size < 2:
+            continue
+        stat_kind = "all_gather" if kind.endswith("gather") else kind
+        for rank in range(world):
+            ring = ring_of(stat_kind, size, rank, world, shard_group)
+            if successor_off_node(ring, ring.index(rank), ranks_per_node):
+                sums[rank][stat_kind] += bytes_sent(stat_kind, payload, size)
+    out = []
+    for per_kind in sums:
+        # Rounded per kind, then totalled, as CommStats.snapshot does.
+        row = {kind: int(round(per_kind.get(kind, 0))) for kind in KINDS}
+        row["total"] = sum(row.values())
+        out.append(row)
+    return out
