@@ -102,6 +102,11 @@ def join_job_store(env: LaunchEnv, timeout: datetime.timedelta) -> Any:
             f"rank {env.rank} connected to the store at {_where(env)}, but {why}: another job is "
             f"using that port: {record.describe()}. This job's rank 0 most likely failed to "
             f"listen there (address already in use). {FIX_HINT}")
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        # torchrun keeps one store across --max-restarts attempts: without a prefix per attempt,
+        # restarted ranks read the dead ranks' gloo addresses (a connect timeout minutes later)
+        # and the failure board's report of the rank that died (a false stop).
+        return dist.PrefixStore(f"{_PREFIX}{attempt}/keys", store)
     return store
 
 
