@@ -209,7 +209,9 @@ class Backend:
             return staged
         hosted = self.to_host(tensors)
         # On the host, to_host may hand back the tensor itself; the optimizer would then change it.
-        return [h.clone() if h.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        # (Device tensors may have no storage to ask about: XLA's; their host copy is new anyway.)
+        return [h.clone() if t.device.type == "cpu"
+                and h.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
                 else h for h, t in zip(hosted, tensors)]
 
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:

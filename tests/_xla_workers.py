@@ -164,17 +164,25 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_then_train(rank: int, root: str) -> dict:
-    """Train SAVE_STEP steps, save (and export), then NEXT_STEPS more; what the loaders must match."""
+def save_then_train(rank: int, root: str, background: bool = False) -> dict:
+    """Train SAVE_STEP steps, save (and export), then NEXT_STEPS more; what the loaders must match.
+
+    background=True: the save is written from a thread while the NEXT_STEPS steps run.
+    """
     import shardkit.checkpoint as ck
 
     ctx = shardkit.current_context()
     model, opt = sharded_tinynet(seed=0)
     before = train_steps(model, opt, 0, SAVE_STEP)
     started = time.perf_counter()
-    ck.save(f"{root}/ckpt", model, opt, extra={"step": SAVE_STEP, "saved_on": ctx.backend.name})
+    handle = ck.save(f"{root}/ckpt", model, opt, background=background,
+                     extra={"step": SAVE_STEP, "saved_on": ctx.backend.name})
     save_s = time.perf_counter() - started
     params, optim = full_params(model), local_optim(model, opt)
+    if background:
+        after = train_steps(model, opt, SAVE_STEP, NEXT_STEPS)
+        handle.wait(timeout=300)
+        return {"backend": ctx.backend.name, "after": after, "params": params, "optim": optim}
     ck.export(f"{root}/export", model)
     after = train_steps(model, opt, SAVE_STEP, NEXT_STEPS)
     return {"backend": ctx.backend.name, "device": str(ctx.device), "before": before,

@@ -146,6 +146,8 @@ def test_losing_a_node_continues_at_the_smaller_world_size(tmp_path):
             procs.append(c.start(node, launch_cmd() + [
                 "--nnodes", "1:2", "--nproc", "2", "--max-restarts", "3", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{c.address(0)}:29400", "--rdzv-id", "elastic-test",
+                # The nodes share a host name ("localhost"): each agent says where it is.
+                "--local-addr", c.address(node),
                 # node 0 hosts the rendezvous store; a lone survivor waits 2 s for late joiners.
                 "--rdzv-conf", f"is_host={1 if node == 0 else 0},last_call_timeout=2",
                 os.path.join(ROOT, "examples", "elastic_resume.py"), "--ckpt-dir", ckpt,

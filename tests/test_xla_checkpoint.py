@@ -134,6 +134,16 @@ def test_xla_checkpoint_resumes_on_gloo(xla_saved, ranks):
           f"{max(r['load_s'] for r in loaded):.2f} s, next losses max diff {diff:.1e}")
 
 
+def test_xla_background_save_resumes_on_gloo(tmp_path):
+    """save(background=True) on 2 XLA device threads while training goes on; loaded on gloo."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in _xla_workers.XLA_TEST_ENV.items():
+            mp.setenv(key, value)
+        saved = _spawn(_xla_workers.save_then_train, 2, str(tmp_path), True, backend="xla")
+    loaded = _spawn(_xla_workers.load_then_train, 2, str(tmp_path / "ckpt"), backend="cpu")
+    _assert_resumes(saved, loaded)
+
+
 def test_gloo_checkpoint_resumes_on_xla(tmp_path):
     saved = _spawn(_xla_workers.save_then_train, 2, str(tmp_path), backend="cpu")
     loaded = _spawn(_xla_workers.load_then_train, 2, str(tmp_path / "ckpt"), backend="xla")
