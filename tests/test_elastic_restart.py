@@ -88,8 +88,9 @@ def fresh_run(tmp_path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two torchrun jobs of 150 steps each: 40-50 s
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["sync", pytest.param("background", marks=pytest.mark.long)])
+@pytest.mark.parametrize("mode", ["sync", "background"])
 def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(tmp_path, mode):
     extra = ["--background"] if mode == "background" else []
     log, last_step = run_interrupted(str(tmp_path / "ckpt"), str(tmp_path / "final"), extra,

@@ -68,6 +68,7 @@ def cluster():
         yield c
 
 
+@pytest.mark.long  # two 4-rank jobs over namespaces: about 18 s each
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
 def test_two_nodes_train_like_one_process_and_count_inter_node_bytes_as_planned(
         cluster, tmp_path, strategy):
