@@ -10,7 +10,6 @@ whose address this host uses to reach MASTER_ADDR is the one the other nodes can
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import socket
 import struct
@@ -40,6 +39,10 @@ def local_address_toward(addr: str) -> str | None:
 
 def interface_with_address(address: str) -> str | None:
     """The name of the interface holding IPv4 `address`, or None."""
+    try:
+        import fcntl
+    except ImportError:  # not a Unix: leave gloo's own choice
+        return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:
