@@ -164,11 +164,7 @@ def _finish(job: SaveJob) -> None:
                 digests.update(json.load(f))
             os.remove(marker)
         write_metadata(job.tmp, job.world_size)
-        state_path = os.path.join(job.tmp, job.state_file)
-        with open(state_path, "wb") as f:
-            f.write(job.state_blob)
-            f.flush()
-            os.fsync(f.fileno())
+        mf.write_file_synced(os.path.join(job.tmp, job.state_file), job.state_blob)
         for rel in mf.data_files(job.tmp):
             if rel not in digests:
                 digests[rel] = mf.sha256_file(os.path.join(job.tmp, rel))

@@ -52,6 +52,14 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def write_file_synced(path: str, data: bytes) -> None:
+    """Write `data` to `path` and fsync it (a checkpoint file must be on disk before its manifest)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_json_atomic(path: str, obj: Any) -> None:
     """Write JSON to `path` through a temporary name, fsynced, so readers never see half a file."""
     tmp = f"{path}{TMP_MARK}{os.getpid()}"

@@ -122,7 +122,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         return bg.start(bg.SaveJob(path, tmp, ctx.rank, ctx.world_size, save_id, hosted,
                                    STATE_FILE, state_blob or b"", info))
     _write_shards(ctx, path, tmp, chunks)
-    collective.on_rank0(ctx, f"writing {STATE_FILE}", lambda: _write_synced(
+    collective.on_rank0(ctx, f"writing {STATE_FILE}", lambda: mf.write_file_synced(
         os.path.join(tmp, STATE_FILE), state_blob))
 
     files = mf.data_files(tmp)
@@ -187,13 +187,6 @@ def _make_tmp(path: str, tmp: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     mf.remove_stale_tmp(path, keep=tmp)
     os.makedirs(tmp)
-
-
-def _write_synced(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:

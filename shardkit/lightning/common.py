@@ -84,6 +84,15 @@ class RankPlace:
     node_rank: int
     global_rank: int
 
+    def _keep_options(self, owner: str, strategy: Any, auto_wrap_policy: Any,
+                      backend: str | None, timeout: Any, shard_options: dict[str, Any]) -> None:
+        """Check and keep the shard() options (one node until Lightning says otherwise)."""
+        check_options(owner, backend, shard_options)
+        self._shard_options = dict(strategy=strategy, auto_wrap_policy=auto_wrap_policy,
+                                   **shard_options)
+        self._backend, self._timeout = backend, timeout
+        self.num_nodes = 1
+
     @property
     def root_device(self) -> torch.device:
         """This rank's device."""

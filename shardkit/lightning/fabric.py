@@ -21,7 +21,7 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from typing_extensions import override
 
 from ..errors import ShardkitError
-from .common import RankPlace, check_options, join_job, shard_module
+from .common import RankPlace, join_job, shard_module
 
 
 class _NoSync(_BackwardSyncControl):
@@ -43,11 +43,9 @@ class ShardkitFabricStrategy(RankPlace, ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision=precision)
-        check_options("ShardkitFabricStrategy", backend, shard_options)
-        self._shard_options = dict(strategy=strategy, auto_wrap_policy=auto_wrap_policy,
-                                   **shard_options)
-        self._backend, self._timeout = backend, timeout
-        self.num_nodes = 1  # Fabric sets it from num_nodes=
+        # Fabric sets num_nodes from Fabric(num_nodes=) afterwards.
+        self._keep_options("ShardkitFabricStrategy", strategy, auto_wrap_policy, backend,
+                           timeout, shard_options)
         self._backward_sync_control = _NoSync()
 
     @override

@@ -24,7 +24,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from typing_extensions import override
 
 from ..errors import ShardkitError
-from .common import RankPlace, check_options, join_job, shard_module
+from .common import RankPlace, join_job, shard_module
 from .precision import clip_over_shards
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -43,12 +43,8 @@ class ShardkitStrategy(RankPlace, ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        check_options("ShardkitStrategy", backend, shard_options)
-        self._shard_options = dict(strategy=strategy, auto_wrap_policy=auto_wrap_policy,
-                                   **shard_options)
-        self._backend = backend
-        self._timeout = timeout
-        self.num_nodes = 1
+        self._keep_options("ShardkitStrategy", strategy, auto_wrap_policy, backend, timeout,
+                           shard_options)
 
     # ---- where this rank is -----------------------------------------------------------------
     @property
