@@ -1,6 +1,7 @@
 """Training stall per checkpoint: shardkit.checkpoint.save synchronous vs background=True, same ranks.
 
     python benchmarks/bench_checkpoint.py --model gpt2-small --nproc 2 --batch 2 --seq 64 --saves 2
+    python benchmarks/bench_checkpoint.py --backend cuda --nproc 1   # pinned staging on a GPU
 
 Per rank, FULL_SHARD per block, AdamW. Three phases in the same processes, each `--saves` rounds
 of `--interval` steps with a save after the first: no save (the baseline), sync saves, background
@@ -48,6 +49,11 @@ def bench_rank(rank: int, name: str, batch: int, seq: int, saves: int, interval:
         opt.step()
         opt.zero_grad()
 
+    def now() -> float:
+        # Device work is queued: the clock counts only once the device has caught up.
+        ctx.backend.synchronize(ctx.device)
+        return time.perf_counter()
+
     step(0)  # warm-up: allocates the optimizer state, so every save holds all of it
     out: dict[str, list[float]] = {"round_none": [], "round_sync": [], "round_background": [],
                                    "call_sync": [], "call_background": [], "write_background": []}
@@ -55,24 +61,24 @@ def bench_rank(rank: int, name: str, batch: int, seq: int, saves: int, interval:
     for mode in ("none", "sync", "background"):
         for i in range(saves):
             ctx.backend.barrier(ctx.world)
-            began = time.perf_counter()
+            began = now()
             step(0)
-            call = time.perf_counter()
+            call = now()
             handle = None
             if mode == "sync":
                 ck.save(os.path.join(root, "sync"), model, opt, step=i)
             elif mode == "background":
                 handle = ck.save(os.path.join(root, "bg"), model, opt, step=i, background=True)
                 host_bytes = handle.host_bytes
-            returned = time.perf_counter()
+            returned = now()
             for k in range(1, interval):
                 step(k)
             if handle is not None:
                 # The next save would wait here too; a write longer than the round shows as stall.
                 handle.wait()
-                out["write_background"].append(time.perf_counter() - call)
+                out["write_background"].append(now() - call)
             ctx.backend.barrier(ctx.world)
-            out[f"round_{mode}"].append(time.perf_counter() - began)
+            out[f"round_{mode}"].append(now() - began)
             if mode != "none":
                 out[f"call_{mode}"].append(returned - call)
     return {"times": out, "host_bytes": host_bytes}
@@ -87,12 +93,13 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--saves", type=int, default=2)
     ap.add_argument("--interval", type=int, default=4, help="steps per round (a save after the first)")
+    ap.add_argument("--backend", default="cpu", help="cpu (gloo, one thread per rank) or cuda (a GPU per rank)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="shardkit-bench-ckpt-")
     try:
         ranks = shardkit.spawn(bench_rank, args.nproc, args.model, args.batch, args.seq,
-                               args.saves, args.interval, root, threads_per_rank=1, backend="cpu")
+                               args.saves, args.interval, root, threads_per_rank=1, backend=args.backend)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     # Per round, the slowest rank; then the median round.
@@ -105,7 +112,7 @@ def main() -> None:
                            "stall_s": med["round_background"] - base,
                            "write_s": med["write_background"]}}
     host = [r["host_bytes"] for r in ranks]
-    print(f"model {args.model}, {args.nproc} ranks, batch {args.batch} x {args.seq}, torch "
+    print(f"model {args.model}, {args.nproc} ranks on {args.backend}, batch {args.batch} x {args.seq}, torch "
           f"{torch.__version__}, shardkit {shardkit.__version__}; round = {args.interval} steps, a save after the first")
     print(f"baseline round (no save): {base:.2f} s")
     print(f"{'save':<12}{'call s':>9}{'stall s':>9}{'write s':>9}")

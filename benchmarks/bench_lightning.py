@@ -54,10 +54,16 @@ def _worker(args: argparse.Namespace) -> None:
             self.times: list[float] = []
 
         def on_train_batch_start(self, *a) -> None:
-            self.t0 = time.perf_counter()
+            self.t0 = now()
 
         def on_train_batch_end(self, *a) -> None:
-            self.times.append(time.perf_counter() - self.t0)
+            self.times.append(now() - self.t0)
+
+    def now() -> float:
+        # On a GPU the step is queued work: read the clock once the device has finished it.
+        if args.accelerator == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     torch.set_num_threads(args.threads)
     pl.seed_everything(0, verbose=False)
@@ -68,6 +74,11 @@ def _worker(args: argparse.Namespace) -> None:
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
         strategy = ShardkitStrategy(auto_wrap_policy=transformer_layers({GPT2Block}))
+    elif args.strategy == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        strategy = FSDPStrategy(auto_wrap_policy={GPT2Block})  # the same units as shardkit's
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (args.batch * args.devices * (args.steps + 2), args.seq + 1),
                         generator=gen)
@@ -77,8 +88,9 @@ def _worker(args: argparse.Namespace) -> None:
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
     trainer.fit(LM(), DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=args.batch))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    device_peak = torch.cuda.max_memory_allocated() if args.accelerator == "cuda" else 0
     with open(f"{args.out}.rank{trainer.global_rank}", "w") as f:
-        json.dump({"times": clock.times[2:], "rss": rss}, f)
+        json.dump({"times": clock.times[2:], "rss": rss, "device_peak": device_peak}, f)
 
 
 def _run(strategy: str, args: argparse.Namespace, tmp: str) -> dict:
@@ -94,7 +106,8 @@ def _run(strategy: str, args: argparse.Namespace, tmp: str) -> dict:
     ranks = [json.load(open(f"{out}.rank{r}")) for r in range(args.devices)]
     per_step = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
     return {"sec_per_step": statistics.median(per_step),
-            "rss_mb": [r["rss"] / 2**20 for r in ranks]}
+            "rss_mb": [r["rss"] / 2**20 for r in ranks],
+            "device_mb": [r["device_peak"] / 2**20 for r in ranks]}
 
 
 def main() -> None:
@@ -120,12 +133,14 @@ def main() -> None:
     base = rows.get("ddp")
     print(f"\n{args.model}, {args.devices} ranks on {args.accelerator}, batch {args.batch}/rank x "
           f"{args.seq} tokens, AdamW, {args.threads} thread(s)/rank, torch {torch.__version__}\n")
-    print("| strategy | s/step (median) | vs DDP | peak RSS/rank (MB) | vs DDP |\n|---|---|---|---|---|")
+    print("| strategy | s/step (median) | vs DDP | peak RSS/rank (MB) | vs DDP | peak device/rank (MB) |\n"
+          "|---|---|---|---|---|---|")
     for name, r in rows.items():
         time_ratio = f"{r['sec_per_step'] / base['sec_per_step']:.3f}" if base else "-"
         mem_ratio = f"{max(r['rss_mb']) / max(base['rss_mb']):.3f}" if base else "-"
+        device = " / ".join(f"{m:.0f}" for m in r["device_mb"]) if args.accelerator == "cuda" else "-"
         print(f"| {name} | {r['sec_per_step']:.3f} | {time_ratio} | "
-              f"{' / '.join(f'{m:.0f}' for m in r['rss_mb'])} | {mem_ratio} |")
+              f"{' / '.join(f'{m:.0f}' for m in r['rss_mb'])} | {mem_ratio} | {device} |")
 
 
 if __name__ == "__main__":

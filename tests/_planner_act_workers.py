@@ -117,3 +117,30 @@ def measured_peak(rank: int, name: str, batch: int, seq: int, ac: bool,
             model(**kwargs).loss.backward()
     held_before, peak = peak_in_window(prof)
     return {"held_before": held_before, "peak": peak}
+
+
+def measured_device_peak(rank: int, name: str, batch: int, seq: int, ac: bool,
+                         strategy: str = "FULL_SHARD") -> dict:
+    """The device allocator's high-water mark of a warm training step (forward + backward) on
+    this rank's accelerator, with what it held when the step began."""
+    import shardkit
+    from shardkit.wrap import checkpoint_layers, transformer_layers
+
+    ctx = shardkit.current_context()
+    make, block = build(name)
+    torch.manual_seed(0)
+    model = shardkit.shard(make(), auto_wrap_policy=transformer_layers({block}), strategy=strategy)
+    if ac:
+        checkpoint_layers(model, block)
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(rank))
+    kwargs = token_kwargs(model, ids.to(ctx.device))
+    model(**kwargs).loss.backward()
+    opt.step()
+    opt.zero_grad()  # set_to_none: the next step makes its gradient shards anew
+    ctx.backend.synchronize(ctx.device)
+    held_before = ctx.backend.memory_stats(ctx.device)["allocated"]
+    ctx.backend.reset_peak_memory(ctx.device)
+    model(**kwargs).loss.backward()
+    ctx.backend.synchronize(ctx.device)
+    return {"held_before": held_before, "peak": ctx.backend.memory_stats(ctx.device)["peak"]}
