@@ -25,7 +25,7 @@ from .spawn import SpawnError, spawn
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
     from . import checkpoint, wrap
     from .backend import API_VERSION, Backend
-    from .capabilities import Capabilities
+    from .capabilities import AttentionCall, Capabilities
     from .handles import CompletedWork, Group, NullEvent, NullStream, ReduceOp, TorchWork, Work
     from .launch_env import LaunchEnv, detect_launch_env
     from .planner import Plan, plan
@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
 # public name -> (module, attribute in it); tests/test_cli_startup.py checks it against the block above
 _LAZY: dict[str, tuple[str, str]] = {
     **{name: (".backend", name) for name in ("API_VERSION", "Backend")},
-    "Capabilities": (".capabilities", "Capabilities"),
+    **{name: (".capabilities", name) for name in ("AttentionCall", "Capabilities")},
     **{name: (".handles", name) for name in ("CompletedWork", "Group", "NullEvent", "NullStream",
                                              "ReduceOp", "TorchWork", "Work")},
     **{name: (".launch_env", name) for name in ("LaunchEnv", "detect_launch_env")},
@@ -82,7 +82,7 @@ def __dir__() -> list[str]:
 
 # Every public name, bound above or resolved by __getattr__ (tests/test_cli_startup.py checks).
 __all__ = [
-    "API_VERSION", "Backend", "BackendNotFoundError", "BackendUnavailableError",
+    "API_VERSION", "AttentionCall", "Backend", "BackendNotFoundError", "BackendUnavailableError",
     "Capabilities", "CheckpointError", "CheckpointNotFoundError", "CollectiveOrderError",
     "CompletedWork", "CorruptCheckpointError", "DistContext", "Group",
     "IncompleteCheckpointError", "JobStoreError", "LaunchEnv", "MixedPrecision", "NullEvent",

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 from typing_extensions import override
 
-from .capabilities import Capabilities
+from .capabilities import AttentionCall, Capabilities
 from .errors import ShardkitError, UnsupportedOperationError
 from .handles import CompletedWork, Group, NullEvent, NullStream, ReduceOp, TorchWork, Work
 from .launch_env import LaunchEnv, detect_launch_env
@@ -131,6 +131,13 @@ class Backend:
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         """Return True when parameters and collectives of this dtype work on this backend."""
         return dtype in self.capabilities.supported_dtypes
+
+    def runs_fused_attention(self, call: AttentionCall) -> bool:
+        """Whether scaled_dot_product_attention runs a fused kernel here for `call` (the planner's
+        meta simulation then keeps its output and log-sum-exp, not the math path's scores).
+
+        The default is torch's CPU kernel (fused_attention_on_cpu)."""
+        return fused_attention_on_cpu(call)
 
     # ---- streams and events (null objects when the device has none) --------------------------
     def new_stream(self, device: torch.device) -> Any:
@@ -379,6 +386,12 @@ class Backend:
         # "--nproc" as an ambiguous abbreviation of its --nproc-per-node otherwise).
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
                 *launcher_args, "--", *script_argv]
+
+
+def fused_attention_on_cpu(call: AttentionCall) -> bool:
+    """torch's CPU attention: fused unless attention dropout or a mask that needs a gradient
+    sends it to the math path (the fused kernel shares grouped key/value heads itself)."""
+    return not call.dropout and not call.mask_needs_grad
 
 
 def process_memory() -> dict[str, int]:

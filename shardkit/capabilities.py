@@ -81,3 +81,16 @@ class Capabilities:
             "supported_dtypes": sorted(str(d).replace("torch.", "") for d in self.supported_dtypes),
             "compile_refusal": self.compile_refusal,
         }
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What decides a device's scaled_dot_product_attention kernel, read off one call (the
+    planner asks Backend.runs_fused_attention, since fused kernels keep far less for backward)."""
+
+    dtype: torch.dtype
+    dropout: bool = False  # dropout_p > 0
+    masked: bool = False  # an attn_mask is passed (is_causal alone is not a mask)
+    mask_needs_grad: bool = False  # ... and it requires a gradient (T5's learned position bias)
+    grouped_query: bool = False  # fewer key/value heads than query heads (enable_gqa)
+    head_dim: int = 64

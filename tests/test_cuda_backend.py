@@ -10,12 +10,14 @@ import torch
 import torch.distributed as dist
 
 import shardkit
+from shardkit.capabilities import AttentionCall
 from shardkit.errors import ShardkitError
 from shardkit.handles import Group
 from shardkit.launch_env import LaunchEnv
 from shardkit.testing import CHECK_NAMES, run_world
 from shardkit_backends.cuda import CUDABackend
-from shardkit_backends.cuda.policy import bf16_ready, bind_device_id, exact_reduce_ops, version_tuple
+from shardkit_backends.cuda.policy import (bf16_ready, bind_device_id, exact_reduce_ops, sdpa_runs_fused,
+                                            version_tuple)
 
 HAS_GPU = CUDABackend.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU, a CUDA build of torch and "
@@ -99,6 +101,25 @@ def test_process_group_options_follow_the_policy(monkeypatch):
 ])
 def test_bf16_ready_is_the_t5_tutorial_expression(cuda, native, nccl, ready):
     assert bf16_ready(cuda, native, nccl) is ready
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize("call, fused", [
+    # Seen on an H100 (torch 2.11): fp32 GPT-2 with attention dropout ran the efficient kernel,
+    # fp32 Llama with grouped key/value heads the math path.
+    (AttentionCall(F32, dropout=True), True),
+    (AttentionCall(F32, grouped_query=True), False),
+    (AttentionCall(BF16, grouped_query=True, dropout=True), True),  # flash shares the heads
+    (AttentionCall(BF16, grouped_query=True, masked=True), False),  # flash takes no mask
+    (AttentionCall(BF16, grouped_query=True, head_dim=320), False),
+    (AttentionCall(F32, masked=True, mask_needs_grad=True), True),  # efficient's bias gradient
+    (AttentionCall(BF16), True),
+])
+def test_cuda_attention_kernel_choice(call, fused):
+    assert sdpa_runs_fused(call) is fused
+    assert CUDABackend().runs_fused_attention(call) is fused
 
 
 def test_supports_dtype_bf16_asks_for_native_support(monkeypatch):

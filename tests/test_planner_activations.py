@@ -7,7 +7,9 @@ import torch
 
 import shardkit
 from shardkit.cli.main import main
-from shardkit.planner.activations import FusedAttention, LiveBytes, token_inputs, unpacked_sequences
+from shardkit.capabilities import AttentionCall
+from shardkit.planner.activations import (FusedAttention, LiveBytes, attention_call, token_inputs,
+                                         unpacked_sequences)
 from shardkit.wrap import transformer_layers
 
 transformers = pytest.importorskip("transformers")
@@ -67,6 +69,45 @@ def test_plan_with_a_batch_adds_the_step_and_checkpointing_shrinks_it(capsys):
         shardkit.plan(model, world_size=2, seq=64)
     assert full.to_dict()["step_bytes"] == full.step_bytes
     assert "peak per rank at batch 4 x seq 64: " in full.table()
+
+
+def test_attention_call_reads_what_decides_the_kernel():
+    q = torch.empty(2, 8, 16, 64, device="meta")
+    kv = torch.empty(2, 2, 16, 64, device="meta")
+    mask = torch.empty(16, 16, device="meta", requires_grad=True)
+    assert attention_call((q, q, q), {}) == AttentionCall(torch.float32)
+    assert attention_call((q, kv, kv), {"enable_gqa": True}).grouped_query
+    assert attention_call((q, q, q, mask, 0.1), {}) == AttentionCall(
+        torch.float32, dropout=True, masked=True, mask_needs_grad=True)
+    assert attention_call((q.bfloat16(), q, q), {"attn_mask": mask.detach(), "dropout_p": 0.0}) == \
+        AttentionCall(torch.bfloat16, masked=True)
+
+
+@pytest.mark.parametrize("config, cuda_vs_cpu", [
+    (transformers.GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=4000, n_positions=64,
+                             attn_pdrop=0.0), "equal"),  # no dropout, no grouped heads: both fuse
+    (TINY, "less"),  # GPT-2's attention dropout (0.1): CUDA fuses it, CPU takes the math path
+    (LLAMA_TINY, "more"),  # fp32 grouped heads: CUDA's math path keeps the scores
+], ids=["plain", "dropout", "grouped-heads"])
+def test_the_target_backends_attention_kernel_sets_the_planned_step(config, cuda_vs_cpu):
+    from shardkit_backends.cuda import CUDABackend
+
+    make = transformers.AutoModelForCausalLM.from_config
+    with torch.device("meta"):
+        model = make(config)
+    block = type(model.model.layers[0] if hasattr(model, "model") else model.transformer.h[0])
+    steps = {name: shardkit.plan(model, world_size=2, auto_wrap_policy=transformer_layers({block}),
+                                 batch=4, seq=64, backend=backend).step_bytes
+             for name, backend in (("cpu", "cpu"), ("cuda", CUDABackend()))}
+    expected = {"equal": steps["cpu"], "less": None, "more": None}[cuda_vs_cpu]
+    if expected is not None:
+        assert steps["cuda"] == expected
+    elif cuda_vs_cpu == "less":
+        # The math path keeps the softmax and the dropped-out probabilities for backward: at
+        # least 2 fp32 (batch x heads x seq x seq) per layer more than the fused kernel.
+        assert steps["cpu"] - steps["cuda"] >= 3 * 2 * (4 * 4 * 64 * 64) * 4
+    else:
+        assert steps["cuda"] > steps["cpu"]
 
 
 class ReadsValues(torch.nn.Module):

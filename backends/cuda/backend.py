@@ -8,13 +8,13 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from shardkit import Backend, Capabilities
+from shardkit import AttentionCall, Backend, Capabilities
 from shardkit.backend import check_reduce_op
 from shardkit.handles import Group
 from shardkit.install_hint import pip_install_extra
 from shardkit.launch_env import LaunchEnv
 
-from .policy import bf16_ready, bind_device_id, exact_reduce_ops
+from .policy import bf16_ready, bind_device_id, exact_reduce_ops, sdpa_runs_fused
 
 
 class CUDABackend(Backend):
@@ -94,6 +94,11 @@ class CUDABackend(Backend):
                               bool(torch.cuda.is_bf16_supported(including_emulation=False)),
                               _nccl_version())
         return super().supports_dtype(dtype)
+
+    @override
+    def runs_fused_attention(self, call: AttentionCall) -> bool:
+        """CUDA's kernel choice (policy.sdpa_runs_fused): dropout stays fused, grouped heads need flash."""
+        return sdpa_runs_fused(call)
 
     # ---- streams and events through torch.cuda -----------------------------------------------
     @override

@@ -1,5 +1,5 @@
-"""Decisions the CUDA backend takes from version numbers: device_id binding, bf16 readiness and
-which averaging reduce ops are exact.
+"""Decisions the CUDA backend takes from version numbers and call shapes: device_id binding, bf16
+readiness, which averaging reduce ops are exact, and which attention kernel a call gets.
 
 Pure functions of their inputs, so every branch is tested on machines without a GPU.
 """
@@ -11,6 +11,7 @@ from typing import Mapping
 
 import torch
 
+from shardkit.capabilities import AttentionCall
 from shardkit.errors import ShardkitError
 
 OVERRIDE_ENV = "SHARDKIT_NCCL_DEVICE_ID"
@@ -92,3 +93,20 @@ def exact_reduce_ops(nccl_version: tuple[int, ...] | None,
 
 def _dotted(version: tuple[int, ...] | None) -> str:
     return "unknown" if version is None else ".".join(str(v) for v in version)
+
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def sdpa_runs_fused(call: AttentionCall) -> bool:
+    """Whether torch's CUDA scaled_dot_product_attention takes a fused kernel for `call`.
+
+    Flash attention takes fp16/bf16 without a mask, head_dim <= 256, with dropout and grouped
+    key/value heads; memory-efficient attention takes any float dtype, masks (their gradient
+    too) and dropout, but not grouped heads. Anything else runs the math path, which keeps the
+    (seq x seq) scores. Seen on an H100 (torch 2.11): fp32 GPT-2 with attention dropout ran the
+    efficient kernel, fp32 Llama with grouped heads (enable_gqa) the math path.
+    """
+    flash = call.dtype in HALF_DTYPES and not call.masked and call.head_dim <= 256
+    efficient = not call.grouped_query
+    return flash or efficient

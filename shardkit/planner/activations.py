@@ -6,7 +6,10 @@ model's forward and backward run on the meta device, where ops compute shapes an
 allocated, and every tensor an op creates is tracked until its storage dies (``LiveBytes``).
 On meta, `scaled_dot_product_attention` would fall back to its math path and keep the
 (seq x seq) scores; on CPU and GPU torch runs a fused kernel that keeps only the output and a
-log-sum-exp, so the simulation calls the fused op (``FusedAttention``) to count what runs.
+log-sum-exp where the call allows one, so the simulation calls the fused op (``FusedAttention``)
+where the target backend says its torch would (Backend.runs_fused_attention: CPU's kernel cannot
+take attention dropout, CUDA's fused kernels can; CUDA's fp32 kernel cannot share grouped
+key/value heads, CPU's can).
 Hooks on the units mark where the engine gathers a unit (before its forward, with `prefetch`
 units ahead; again before its backward), reshards it after forward, and after its backward
 releases it, reduces and keeps a gradient shard; the full-size gradients autograd made are
@@ -39,6 +42,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
+from ..backend import fused_attention_on_cpu
+from ..capabilities import AttentionCall
 from ..errors import ShardkitError
 from .replay import AFTER_FORWARD, ALLOC, FREE, GATHER, KEEP, REDUCE, RELEASE, StepRecord
 
@@ -93,24 +98,31 @@ class LiveBytes(TorchDispatchMode):
 
 
 class FusedAttention(TorchFunctionMode):
-    """Route scaled_dot_product_attention to the fused kernel's op, as torch does off meta."""
+    """Route scaled_dot_product_attention to a fused kernel's op where the target device's torch
+    would take one (`runs_fused`: Backend.runs_fused_attention; default torch's CPU kernel)."""
+
+    def __init__(self, runs_fused: Callable[[AttentionCall], bool] = fused_attention_on_cpu) -> None:
+        super().__init__()
+        self.runs_fused = runs_fused
 
     @override
     def __torch_function__(self, func, types, args=(), kwargs=None):
         """Call the fused attention op in place of the math fallback meta would take."""
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention or _math_path(args, kwargs):
+        if func is not F.scaled_dot_product_attention or not self.runs_fused(attention_call(args, kwargs)):
             return func(*args, **kwargs)
         return _fused_attention(*args, **kwargs)
 
 
-def _math_path(args: tuple, kwargs: dict) -> bool:
-    """Whether torch's CPU attention takes the math path (what the fused kernel cannot do):
-    a mask that needs a gradient (T5's learned position bias) or attention dropout (GPT-2's).
-    GPU flash kernels run dropout fused, so there a model with attention dropout keeps less."""
+def attention_call(args: tuple, kwargs: dict) -> AttentionCall:
+    """What a device's kernel choice depends on, read off scaled_dot_product_attention's arguments."""
+    query, key = args[0], args[1]
     mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
     dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-    return bool(getattr(mask, "requires_grad", False)) or dropout > 0
+    grouped = bool(kwargs.get("enable_gqa", False)) or key.shape[-3] != query.shape[-3]
+    return AttentionCall(dtype=query.dtype, dropout=dropout > 0, masked=mask is not None,
+                         mask_needs_grad=bool(getattr(mask, "requires_grad", False)),
+                         grouped_query=grouped, head_dim=query.shape[-1])
 
 
 def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -123,10 +135,10 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
-def _with_fused_attention(forward: Callable) -> Callable:
+def _with_fused_attention(forward: Callable, runs_fused: Callable[[AttentionCall], bool]) -> Callable:
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        with FusedAttention():
+        with FusedAttention(runs_fused):
             return forward(*args, **kwargs)
     return run
 
@@ -248,7 +260,8 @@ def _own_params(module: nn.Module, modules: list[nn.Module]) -> list[nn.Paramete
 
 def record_step(model: nn.Module, units: list[nn.Module], batch: int, seq: int,
                 inputs: InputsFn | None, compute_dtype: torch.dtype | None,
-                checkpoint_classes: tuple[type, ...], direct_numel: int | None = None) -> StepRecord:
+                checkpoint_classes: tuple[type, ...], direct_numel: int | None = None,
+                runs_fused: Callable[[AttentionCall], bool] = fused_attention_on_cpu) -> StepRecord:
     """Run one forward + backward of `model` on meta at (batch, seq) and record its events.
 
     `units` are the engine's unit modules of `model` in its order, root last. Gradients are
@@ -268,7 +281,7 @@ def record_step(model: nn.Module, units: list[nn.Module], batch: int, seq: int,
         # Recomputation runs on autograd's thread, where the mode entered below is not active.
         for layer in twin.modules():
             if isinstance(layer, checkpoint_classes):
-                layer.forward = _with_fused_attention(layer.forward)
+                layer.forward = _with_fused_attention(layer.forward, runs_fused)
         checkpoint_layers(twin, checkpoint_classes)
     args, kwargs = (inputs or token_inputs(twin))(batch, seq)
     events: list[tuple] = []
@@ -276,7 +289,7 @@ def record_step(model: nn.Module, units: list[nn.Module], batch: int, seq: int,
     recorder = _Recorder(twin_units, events, direct_numel)
     recorder.install()
     try:
-        with tracker, FusedAttention(), unpacked_sequences():
+        with tracker, FusedAttention(runs_fused), unpacked_sequences():
             _loss(twin(*args, **kwargs)).backward()
     except ShardkitError:
         raise

@@ -18,6 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..backend import fused_attention_on_cpu
+from ..capabilities import AttentionCall
 from ..errors import ShardkitError
 from ..sharding.buckets import collective_buckets
 from ..sharding.traffic import CommStats
@@ -41,17 +43,21 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-def backend_facts(shard_alignment: int | None, backend: object) -> tuple[int, int | None]:
-    """The shard alignment and Capabilities.direct_collective_numel of `backend` (or the defaults)."""
+def backend_facts(shard_alignment: int | None, backend: object
+                  ) -> tuple[int, int | None, Callable[[AttentionCall], bool]]:
+    """The shard alignment, Capabilities.direct_collective_numel and attention kernel choice of
+    `backend` (or the defaults: alignment 1, no direct collectives, torch's CPU attention)."""
     if backend is not None:
         if shard_alignment is not None:
             raise ShardkitError("pass shard_alignment= or backend=, not both (the backend's "
                                 "capabilities decide its alignment)")
         from ..selection import get_backend
 
-        caps = get_backend(backend).capabilities  # type: ignore[arg-type]
-        return caps.shard_alignment, caps.direct_collective_numel
-    return _positive_int("shard_alignment", 1 if shard_alignment is None else shard_alignment), None
+        chosen = get_backend(backend)  # type: ignore[arg-type]
+        caps = chosen.capabilities
+        return caps.shard_alignment, caps.direct_collective_numel, chosen.runs_fused_attention
+    return (_positive_int("shard_alignment", 1 if shard_alignment is None else shard_alignment),
+            None, fused_attention_on_cpu)
 
 
 class _Layout:
@@ -116,7 +122,7 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     # says it, else (a plan made off the cluster) the world size, as the docstring says.
     group = shard_group_size(strat, hybrid_group_size, per_node, world)
     replicas = world // group
-    align, direct = backend_facts(shard_alignment, backend)
+    align, direct, attention = backend_facts(shard_alignment, backend)
     units = plan_units(model, as_policy(auto_wrap_policy))
     if not any(u.params for u in units):
         raise ShardkitError(f"plan() got a model with no parameters ({type(model).__name__})")
@@ -138,7 +144,7 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
         return result
     batch = _positive_int("batch", batch)
     workload = Workload(model, [u.module for u in units], None if seq is None else
-                        _positive_int("seq", seq), example_inputs, mp.param_dtype, direct)
+                        _positive_int("seq", seq), example_inputs, mp.param_dtype, direct, attention)
     return step_plan(result, workload.timeline(activation_checkpointing, batch), batch, seq,
                      activation_checkpointing)
 

@@ -76,9 +76,9 @@ class _Fitter:
         self.model, self.seq, self.options = model, seq, options
         config = ShardConfig.build("FULL_SHARD", options.get("mixed_precision"), False, 1, None)
         units = plan_units(model, as_policy(options.get("auto_wrap_policy")))
-        _, direct = backend_facts(options.get("shard_alignment"), options.get("backend"))
+        _, direct, attention = backend_facts(options.get("shard_alignment"), options.get("backend"))
         self.workload = Workload(model, [u.module for u in units], seq, example_inputs,
-                                 config.mixed_precision.param_dtype, direct)
+                                 config.mixed_precision.param_dtype, direct, attention)
 
     def static(self, world_size: int, strategy: str, cpu_offload: bool) -> Plan:
         """The plan without a step (cheap: shapes only)."""

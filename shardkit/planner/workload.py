@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 from torch import nn
 
+from ..backend import fused_attention_on_cpu
+from ..capabilities import AttentionCall
 from ..errors import ShardkitError
 from .activations import InputsFn, record_step
 from .replay import StepRecord, Timeline, UnitSizes
@@ -18,9 +21,11 @@ class Workload:
 
     def __init__(self, model: nn.Module, units: list[nn.Module], seq: int | None,
                  inputs: InputsFn | None, compute_dtype: torch.dtype | None,
-                 direct_numel: int | None) -> None:
+                 direct_numel: int | None,
+                 fused_attention: Callable[[AttentionCall], bool] = fused_attention_on_cpu) -> None:
         self.model, self.units, self.seq = model, units, seq
         self.inputs, self.compute_dtype, self.direct_numel = inputs, compute_dtype, direct_numel
+        self.fused_attention = fused_attention  # the target backend's kernel choice
         self._records: dict[tuple[bool, int], StepRecord] = {}
 
     def record(self, batch: int, activation_checkpointing: bool) -> StepRecord:
@@ -31,7 +36,8 @@ class Workload:
             classes = tuple(dict.fromkeys(type(m) for m in self.units[:-1]))
             self._records[key] = record_step(
                 self.model, self.units, batch, 1 if self.seq is None else self.seq, self.inputs,
-                self.compute_dtype, classes if activation_checkpointing else (), self.direct_numel)
+                self.compute_dtype, classes if activation_checkpointing else (), self.direct_numel,
+                self.fused_attention)
         return self._records[key]
 
     def timeline(self, activation_checkpointing: bool, batch: int | None = None) -> Timeline:
