@@ -33,7 +33,7 @@ def _check(results: dict, names: list[str]) -> None:
 def test_block_compile_after_shard_has_no_breaks_and_no_recompiles():
     # One rank here; every configuration at 1 and 2 ranks in the long lane below.
     names = ["FULL_SHARD"]
-    for results in shardkit.spawn(compiled_blocks, 1, 1, names, True):
+    for results in shardkit.spawn(compiled_blocks, 1, 1, names, True, backend="cpu"):
         _check(results, names)
 
 
@@ -42,7 +42,8 @@ def test_block_compile_after_shard_has_no_breaks_and_no_recompiles():
 @pytest.mark.parametrize("world", [1, 2])
 def test_block_compile_every_configuration(world):
     names = [n for n in CONFIGS if not (world == 1 and n == "reshard_to_2")]
-    for results in shardkit.spawn(compiled_blocks, world, world, names, True, threads_per_rank=1):
+    for results in shardkit.spawn(compiled_blocks, world, world, names, True, threads_per_rank=1,
+                                  backend="cpu"):
         _check(results, names)
 
 
@@ -57,7 +58,7 @@ def test_whole_model_compile_runs_ten_steps_like_fsdp2():
     # which FSDP2 leaves eager.
     from _compile_workers import compiled_model
 
-    for result in shardkit.spawn(compiled_model, 2, 2, threads_per_rank=1):
+    for result in shardkit.spawn(compiled_model, 2, 2, threads_per_rank=1, backend="cpu"):
         ours, torchs = result["shardkit"], result["fsdp2"]
         assert ours["compiled"] == pytest.approx(torchs["compiled"], rel=1e-6)
         assert ours["compiled"][:5] == pytest.approx(result["eager"], rel=1e-6)
