@@ -140,8 +140,15 @@ def compile_blocks(model: nn.Module, unit_classes: tuple, backend: str) -> None:
             module.compile(backend=backend)
 
 
+def compile_model(model: nn.Module, backend: str) -> nn.Module:
+    """`torch.compile(model, backend=...)` on the whole wrapped model (shardkit traces its hooks
+    into the graph; FSDP2 breaks it at each unit)."""
+    return torch.compile(model, backend=backend)
+
+
 def split_mode(mode: str) -> tuple[str, str | None]:
-    """'shardkit-full+inductor' -> ('shardkit-full', 'inductor'); an eager mode has no backend."""
+    """'shardkit-full+inductor' -> ('shardkit-full', 'inductor'); an eager mode has no backend.
+    A backend ending in '-model' ('inductor-model') compiles the whole model instead of blocks."""
     engine, _, backend = mode.partition("+")
     return engine, backend or None
 
@@ -177,9 +184,12 @@ class Runner:
         self.num_params = sum(p.numel() for p in model.parameters())
         model = model.to(self.device)
         self.batches = make_batches(a.model, model, a.batch, a.seq, rank, self.device)
-        self.model = wrap(model, engine, ctx, classes, self.dtype)
-        if compile_backend:
-            compile_blocks(self.model, classes, compile_backend)
+        self.wrapped = wrap(model, engine, ctx, classes, self.dtype)  # what shardkit's calls take
+        self.model = self.wrapped  # what a step calls
+        if compile_backend and compile_backend.endswith("-model"):
+            self.model = compile_model(self.wrapped, compile_backend[:-len("-model")])
+        elif compile_backend:
+            compile_blocks(self.wrapped, classes, compile_backend)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.autocast = engine == "single" and self.dtype != torch.float32
         self.i = 0
@@ -268,7 +278,7 @@ def bench_rank(rank: int, modes: list[str], args_dict: dict, interleave: bool) -
             r.step()
     for mode in modes:
         if split_mode(mode)[0] in SHARDKIT_MODES:
-            shardkit.comm_stats(runners[mode].model, reset=True)
+            shardkit.comm_stats(runners[mode].wrapped, reset=True)
     if interleave:
         rounds = max(1, -(-a.steps // a.chunk))
         for k in range(rounds):
@@ -282,7 +292,7 @@ def bench_rank(rank: int, modes: list[str], args_dict: dict, interleave: bool) -
     for mode, r in runners.items():
         engine = split_mode(mode)[0]
         if engine in SHARDKIT_MODES:
-            comm, source = shardkit.comm_stats(r.model)["total"] // len(r.timed), "measured"
+            comm, source = shardkit.comm_stats(r.wrapped)["total"] // len(r.timed), "measured"
         else:
             elem = 2 if r.dtype != torch.float32 else 4
             comm, source = _formula_bytes(engine, r.num_params, ctx.world_size, elem), "formula"
@@ -440,6 +450,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", default=None, metavar="BACKEND",
                    help="also run every mode compiled (as '<mode>+BACKEND'): block.compile("
                         "backend=BACKEND) on every unit after wrapping, e.g. inductor")
+    p.add_argument("--compile-model", default=None, metavar="BACKEND",
+                   help="also run every mode with the whole wrapped model compiled (as "
+                        "'<mode>+BACKEND-model'): torch.compile(model, backend=BACKEND)")
     p.add_argument("--no-isolated", dest="isolated", action="store_false",
                    help="skip the fresh-process-per-mode memory phase")
     p.add_argument("--no-interleave", dest="interleave", action="store_false",
@@ -463,8 +476,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"--warmup={args.warmup}", f"--chunk={args.chunk}", f"--batch={args.batch}",
                         f"--seq={args.seq}", f"--nproc={args.nproc}", f"--threads={args.threads}",
                         f"--profile-steps={args.profile_steps}"]
+    eager_modes = list(args.modes)
     if args.compile:
-        args.modes += [f"{m}+{args.compile}" for m in args.modes]
+        args.modes += [f"{m}+{args.compile}" for m in eager_modes]
+    if args.compile_model:
+        args.modes += [f"{m}+{args.compile_model}-model" for m in eager_modes]
     return args
 
 
@@ -501,6 +517,7 @@ def main(argv=None) -> int:
              f"{f' x {args.seq} tokens' if args.model in GPT_MODELS else ''}, Adam, "
              f"{args.threads} thread(s)/rank, torch {torch.__version__}"
              f"{f', each also compiled (+{args.compile}: block.compile() per unit)' if args.compile else ''}"
+             f"{f', each also compiled whole (+{args.compile_model}-model: torch.compile(model))' if args.compile_model else ''}"
              f"; {how}, "
              f"{args.warmup} warm-up")
     print(f"\n{title}\n")

@@ -37,11 +37,7 @@ def _gpt2():
 
 
 def _options(name: str) -> dict:
-    options = dict(CONFIGS[name])
-    if options.get("mixed_precision") == "bf16":
-        options["mixed_precision"] = shardkit.MixedPrecision(param_dtype=torch.bfloat16,
-                                                             reduce_dtype=torch.float32)
-    return options
+    return _options_from(CONFIGS[name])
 
 
 def _build(name: str, engine: str):
@@ -128,3 +124,101 @@ def compiled_model(rank: int, world: int) -> dict:
     finally:
         STEPS = saved
     return out
+
+
+FULLGRAPH_OPTIONS = {
+    "FULL_SHARD": {},
+    "SHARD_GRAD_OP": {"strategy": "SHARD_GRAD_OP"},
+    "HYBRID_SHARD": {"strategy": "HYBRID_SHARD", "hybrid_group_size": 1},
+    "reshard_to_2": {"reshard_after_forward": 2},
+    "bf16": {"mixed_precision": "bf16"},
+}
+
+
+def _tiny_gpt():
+    from shardkit.demo.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab=64, context=16, dim=32, layers=3, heads=4)
+    return model, type(model.blocks[0])
+
+
+def _fullgraph_batches(world: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 64, (2 * world, 16), generator=gen) for _ in range(STEPS)]
+
+
+def _lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                             ids[:, 1:].reshape(-1))
+
+
+def compiled_fullgraph(rank: int, world: int, name: str) -> dict:
+    """torch.compile(model, fullgraph=True) on a sharded GPT: its losses and final weights, the
+    unsharded model's trained in this process on the whole global batch, dynamo's graph and
+    break counts, and the bytes gathered per step next to the same model run eagerly."""
+    from torch._dynamo.utils import counters
+
+    from shardkit.checkpoint import full_state_dict
+
+    shardkit.init()
+    batches = _fullgraph_batches(world)
+    mine = [b[2 * rank:2 * rank + 2] for b in batches]
+    options = _options_from(FULLGRAPH_OPTIONS[name])
+
+    reference, _ = _tiny_gpt()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05)  # Adam would amplify rounding
+    for ids in batches:
+        if name == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = _lm_loss(reference(ids), ids)
+        else:
+            loss = _lm_loss(reference(ids), ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    out: dict = {"reference": {k: v.detach().clone() for k, v in reference.state_dict().items()}}
+    for mode in ("eager", "compiled"):
+        model, block = _tiny_gpt()
+        model = shardkit.shard(model, auto_wrap_policy=transformer_layers({block}), **options)
+        torch._dynamo.reset()
+        counters.clear()
+        run = torch.compile(model, fullgraph=True, backend="aot_eager") if mode == "compiled" else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses, graphs, gathered = [], [], []
+        for ids in mine:
+            shardkit.comm_stats(model, reset=True)
+            loss = _lm_loss(run(ids), ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            graphs.append(counters["stats"]["unique_graphs"])
+            gathered.append(shardkit.comm_stats(model)["all_gather"])
+        out[mode] = {"losses": losses, "graphs": graphs, "gathered": gathered,
+                     "breaks": sum(counters["graph_break"].values()),
+                     "weights": full_state_dict(model, rank0_only=False)}
+    return out
+
+
+def _options_from(options: dict) -> dict:
+    options = dict(options)
+    if options.get("mixed_precision") == "bf16":
+        options["mixed_precision"] = shardkit.MixedPrecision(param_dtype=torch.bfloat16,
+                                                             reduce_dtype=torch.float32)
+    return options
+
+
+def no_sync_error(rank: int) -> str:
+    """The error no_sync() gets from a backward through a whole-model compiled graph."""
+    model, block = _tiny_gpt()
+    model = shardkit.shard(model, auto_wrap_policy=transformer_layers({block}))
+    run = torch.compile(model, fullgraph=True, backend="aot_eager")
+    ids = torch.randint(0, 64, (2, 16))
+    try:
+        with model.no_sync():
+            _lm_loss(run(ids), ids).backward()
+    except shardkit.ShardkitError as exc:
+        return str(exc)
+    return "no error"

@@ -227,9 +227,10 @@ def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, devi
     return PendingReduce(list(params), work, out, inp, plan, event, pooled)
 
 
-def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backend,
-                  stats: CommStats | None, pool: BufferPool | None = None) -> None:
-    """Wait for the reduce-scatter, reduce across replicas, divide (SUM plans), add into the sharded grads."""
+def reduced_row(pending: PendingReduce, replica: Group | None, backend: Backend,
+                stats: CommStats | None) -> torch.Tensor:
+    """Wait for the reduce-scatter, reduce across replicas and divide (SUM plans): this rank's
+    averaged row of the bucket, in the reduce dtype on the compute device."""
     pending.work.wait()
     device = pending.output.device
     current = backend.current_stream(device)
@@ -245,6 +246,13 @@ def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backen
                            **factor_kwargs(pending.plan.replica_factor)).wait()
     if pending.plan.post_divide != 1.0:
         out.div_(pending.plan.post_divide)
+    return out
+
+
+def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backend,
+                  stats: CommStats | None, pool: BufferPool | None = None) -> None:
+    """Complete a bucket's reduction (reduced_row) and add it into the sharded grads."""
+    out = reduced_row(pending, replica, backend, stats)
     if pool is not None and pending.pooled:
         pool.give(pending.input)
     params = pending.params

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import ShardkitError
-from .hooks import post_forward, pre_forward, unit_of
+from .hooks import eager_post_forward, eager_pre_forward, unit_of
 
 _WRAPPED = "__shardkit_forward_method__"
 
@@ -38,13 +38,13 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
     def run_under_hooks(*args: Any, **kwargs: Any) -> Any:
         if unit.in_forward_method:  # called from another registered method: gathered already
             return method(*args, **kwargs)
-        args, kwargs = pre_forward(unit, module, args, kwargs)
+        args, kwargs = eager_pre_forward(unit, module, args, kwargs)
         unit.in_forward_method += 1
         try:
             output = method(*args, **kwargs)
         finally:
             unit.in_forward_method -= 1
-        return post_forward(unit, module, args, kwargs, output)
+        return eager_post_forward(unit, module, args, kwargs, output)
 
     setattr(run_under_hooks, _WRAPPED, True)
     # An instance attribute: the class (shared by every model of that type) stays untouched.

@@ -13,6 +13,7 @@ from typing_extensions import override
 from ..errors import ShardkitError
 from ..failure import where
 from .state import ShardState
+from . import traced
 from .trace import trace_range
 from .unit import ShardUnit
 
@@ -55,7 +56,8 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(cast, tree)
 
 
-def _cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    """The floating-point tensors among a call's arguments cast to `dtype`."""
     return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
 
 
@@ -78,12 +80,28 @@ def _route_through_post_backward(unit: ShardUnit, args: tuple, kwargs: dict) -> 
     return tree_unflatten(leaves, spec)
 
 
-# The engine's hooks run eagerly, never inside a compiled graph: they issue collectives, swap
-# parameters and keep Python state (dynamo would break the graph on each, and guard on buffers
-# that change identity every step: the recompile storm of issue 17). torch.compile(unit) calls
-# them around the compiled forward; a compiled parent that calls the unit breaks its graph here.
-@torch.compiler.disable
 def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Gather the unit before its forward: as graph ops where dynamo traces this hook
+    (torch.compile(model) or torch.compile(unit): traced.py), else eagerly."""
+    if torch.compiler.is_compiling() and unit.traceable:
+        return traced.pre_forward(unit, module, args, kwargs)
+    return eager_pre_forward(unit, module, args, kwargs)
+
+
+def post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
+    """Reshard the unit after its forward: traced where pre_forward was, else eagerly."""
+    if torch.compiler.is_compiling() and unit.traceable:
+        return traced.post_forward(unit, module, args, kwargs, output)
+    return eager_post_forward(unit, module, args, kwargs, output)
+
+
+# The eager hooks never run inside a compiled graph: they issue collectives, swap parameters
+# and keep Python state (dynamo would break the graph on each, and guard on buffers that change
+# identity every step: the recompile storm of issue 17). Where the unit's forward alone is
+# compiled (block.compile()), they run around
+# the compiled code; where dynamo traces the hooks themselves, traced.py's path runs instead.
+@torch.compiler.disable
+def eager_pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict):
     """Gather the unit (waiting on a prefetch if one is in flight) and prefetch the next ones."""
     if unit.in_forward_method:  # the registered method around this call ran the hook already
         return args, kwargs
@@ -99,14 +117,15 @@ def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: d
         if mp.buffer_dtype is not None:
             unit.cast_buffers(mp.buffer_dtype)
         if mp.param_dtype is not None and mp.cast_forward_inputs:
-            args, kwargs = _cast_inputs(args, kwargs, mp.param_dtype)
+            args, kwargs = cast_inputs(args, kwargs, mp.param_dtype)
         if torch.is_grad_enabled():
             args, kwargs = _route_through_post_backward(unit, args, kwargs)
         return args, kwargs
 
 
 @torch.compiler.disable
-def post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
+def eager_post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict,
+                       output: Any):
     """Put the sharded params back, reshard as the unit says (free / keep / 1/k), hook the outputs."""
     if unit.in_forward_method:
         return output
@@ -150,10 +169,10 @@ def install(unit: ShardUnit) -> list:
     """Register the forward hooks of one unit on its module; return the removable handles."""
     module = unit.module
     _UNIT_OF[module] = unit
-    # The hooks are the disabled functions themselves (bound by partial, which has no frame):
-    # torch.compile(block) runs a module's hooks outside its graph and starts tracing at the
-    # first Python frame they call, so a lambda around them would be traced, then broken at the
-    # disabled call: a counted graph break at each edge of every block's graph.
+    # Bound by partial, which has no frame of its own for dynamo to start tracing at.
+    _never_a_graph_of_their_own()
+    unit.graph_key = traced.graph_key(unit)
+    unit.traceable = not traced.traced_refusal(unit)
     handles = [
         module.register_forward_pre_hook(functools.partial(pre_forward, unit), with_kwargs=True,
                                          prepend=True),
@@ -168,6 +187,18 @@ def install(unit: ShardUnit) -> list:
         handles.append(module.register_forward_hook(
             lambda m, a, k, o, u=unit: cast_outputs(u, m, a, k, o), with_kwargs=True))
     return handles + _guard_layers(unit)
+
+
+@functools.cache
+def _never_a_graph_of_their_own() -> None:
+    # torch.compile(unit) runs the unit's hooks outside its graph, and dynamo would compile each
+    # hook as a frame of its own: a graph with the gather beside every unit's graph (twice
+    # FSDP2's count). Skipped as frames, they run eagerly there; dynamo still inlines them where
+    # it traces the module call that runs them (a compiled parent: traced.py's path).
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(pre_forward.__code__)
+    skip_code(post_forward.__code__)
 
 
 def _compile_method(unit: ShardUnit):

@@ -63,6 +63,8 @@ class ShardUnit:
         # >0 while a registered forward method runs the unit's hooks around itself: its own
         # forward, called inside (a training_step calling self(x)), must not run them again.
         self.in_forward_method = 0
+        self.graph_key = ""  # how traced.py's custom ops name this unit (hooks.install sets it)
+        self.traceable = False  # whether dynamo may trace its hooks (traced.traced_refusal)
         # Profiler range names, built once (formatting them per call would cost on the hot path).
         self.trace_names = {k: f"shardkit::{k}[{self.name}]"
                             for k in ("pre_forward", "post_forward", "pre_backward",

@@ -1,0 +1,49 @@
+"""torch.compile(model, fullgraph=True) on a sharded model (issue 17 item 3): one graph over every
+unit, the engine's gather and reduce as custom ops inside it (sharding/traced.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import shardkit
+
+from _compile_workers import FULLGRAPH_OPTIONS, STEPS, compiled_fullgraph, no_sync_error
+
+WORLD = 2
+
+
+def _check(name: str) -> None:
+    for rank, result in enumerate(shardkit.spawn(compiled_fullgraph, WORLD, WORLD, name,
+                                                 backend="cpu", threads_per_rank=1)):
+        eager, compiled = result["eager"], result["compiled"]
+        # One graph spans the model, hooks included: nothing breaks it, nothing recompiles.
+        assert compiled["graphs"] == [1] * STEPS and compiled["breaks"] == 0, (rank, compiled)
+        # The ops run the eager engine's collectives: the same numbers and the same bytes (under
+        # FULL_SHARD the backward gathers again, so the graph did not keep the gathered weights).
+        assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-6, abs=0)
+        assert compiled["gathered"] == eager["gathered"]
+        # Both against the unsharded model trained on the whole global batch in one process.
+        tol = 2e-3 if name == "bf16" else 1e-5
+        for key, expected in result["reference"].items():
+            assert compiled["weights"][key].float() == pytest.approx(expected, abs=tol), key
+    if name in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        # Kept gathered (SHARD_GRAD_OP): forward's gathers only, half of FULL_SHARD's.
+        per_step = result["compiled"]["gathered"][0]
+        assert per_step == (81472 if name == "SHARD_GRAD_OP" else 2 * 81472)
+
+
+def test_fullgraph_compile_of_the_whole_sharded_model():
+    _check("FULL_SHARD")
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("name", [n for n in FULLGRAPH_OPTIONS if n != "FULL_SHARD"])
+def test_fullgraph_compile_every_strategy(name):
+    _check(name)
+
+
+def test_no_sync_under_a_compiled_graph_says_what_to_do_instead():
+    (message,) = shardkit.spawn(no_sync_error, 1, backend="cpu", threads_per_rank=1)
+    assert "no_sync() under a whole-model compiled graph" in message and "HINT" in message
+
