@@ -222,3 +222,21 @@ def no_sync_error(rank: int) -> str:
     except shardkit.ShardkitError as exc:
         return str(exc)
     return "no error"
+
+
+def fsdp2_fullgraph_outcome(rank: int) -> str:
+    """What torch.compile(model, fullgraph=True) does to the same GPT under torch's FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+
+    shardkit.init()
+    model, _ = _tiny_gpt()
+    for layer in model.blocks:
+        fully_shard(layer)
+    fully_shard(model)
+    run = torch.compile(model, fullgraph=True, backend="aot_eager")
+    ids = torch.randint(0, 64, (2, 16))
+    try:
+        _lm_loss(run(ids), ids).backward()
+    except Exception as exc:  # noqa: BLE001 - the peer's failure, whatever its type, is the finding
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return "ran"
