@@ -7,13 +7,14 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from typing_extensions import override
 
 from ..errors import ShardkitError
 from ..failure import where
 from .state import ShardState
 from . import traced
+from .casts import cast_floats, cast_inputs
 from .trace import trace_range
 from .unit import ShardUnit
 
@@ -48,24 +49,11 @@ def unit_of(module: torch.nn.Module) -> ShardUnit | None:
     return _UNIT_OF.get(module)
 
 
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and torch.is_floating_point(x) and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-    return tree_map(cast, tree)
-
-
-def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
-    """The floating-point tensors among a call's arguments cast to `dtype`."""
-    return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
-
-
 def cast_outputs(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict,
                  output: Any) -> Any:
     """Cast the model's floating-point outputs to MixedPrecision.output_dtype (root unit only)."""
     dtype = unit.state.config.mixed_precision.output_dtype
-    return output if dtype is None else _cast_floats(output, dtype)
+    return output if dtype is None else cast_floats(output, dtype)
 
 
 def _route_through_post_backward(unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

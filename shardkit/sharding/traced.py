@@ -34,6 +34,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..errors import ShardkitError
+from .casts import cast_inputs
 from .collectives import gather_full, pack_grads, reduced_row, row_sizes, start_reduce_scatter
 
 if TYPE_CHECKING:
@@ -163,8 +164,6 @@ def pre_forward(unit: "ShardUnit", module: torch.nn.Module, args: tuple, kwargs:
             owner._parameters[name] = tensor
     mp = unit.state.config.mixed_precision
     if mp.param_dtype is not None and mp.cast_forward_inputs:
-        from .hooks import cast_inputs
-
         args, kwargs = cast_inputs(args, kwargs, mp.param_dtype)
     return args, kwargs
 
