@@ -76,6 +76,8 @@ def gather_unit(shards: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     """All-gather a unit's parameters: full tensors in compute dtype, in the unit's order."""
     unit = _unit(key)
     st = unit.state
+    # `shards` are the unit's sharded parameters themselves (passed so autograd ties the
+    # gradients to them); the helpers read the same tensors through the unit's buckets.
     full: dict[int, torch.Tensor] = {}
     for bucket in unit.gather_buckets:
         gathered = gather_full(bucket.params, bucket.dtype, st.device, st.shard_group, st.backend,
