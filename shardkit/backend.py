@@ -284,6 +284,23 @@ class Backend:
         me = dist.get_rank()
         return Group(ranks.index(me) if me in ranks else -1, len(ranks), ranks, handle)
 
+    def destroy_group(self, group: Group) -> None:
+        """Destroy a subgroup new_group made, on this rank alone (no peer takes part).
+
+        shard() calls it when the model whose groups these are is collected. The default destroys
+        a torch.distributed group; a handle torch does not know (already destroyed by shutdown(),
+        or a backend's own object) is left alone. The world group is never passed here.
+        """
+        import torch.distributed as dist
+
+        handle = group.handle
+        if handle is None or not dist.is_initialized() or handle == dist.GroupMember.WORLD:
+            return
+        try:
+            dist.destroy_process_group(handle)
+        except ValueError:  # "Invalid process group specified": not (or no longer) torch's
+            pass
+
     def shutdown(self) -> None:
         """Destroy the process group this backend created."""
         import torch.distributed as dist

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from .launch_env import LaunchEnv
 from .logs import logger
 from .parent_death import die_with_parent, launched_by_shardkit
 from .selection import get_backend
-from .step_boundary import install_step_hook
+from .step_boundary import install_step_hook, remove_step_hook
 
 DEFAULT_TIMEOUT = failure.DEFAULT_TIMEOUT
 
@@ -144,7 +145,23 @@ def shutdown() -> None:
         failure.stop(leaving_with=replacement)
         ctx.backend.shutdown()
     _set_current(None)
+    _remove_step_hooks()
     if in_flight is not None and replacement is not None and replacement is not in_flight:
         if failure.quiet(in_flight, replacement):
             raise replacement from None  # the original's traceback is in the file it names
         raise replacement from in_flight
+
+
+def _remove_step_hooks() -> None:
+    # The torch.optim hooks init() and shard() installed go with the job (process_state.py);
+    # the next init() / shard() installs them again.
+    remove_step_hook()
+    stale = sys.modules.get("shardkit.sharding.stale_optimizer")
+    if stale is not None:
+        stale.uninstall()
+
+
+def reset_context() -> None:
+    """Shut down the job this process (or device thread) joined, if any (process_state.reset)."""
+    if current_context() is not None:
+        shutdown()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-_installed = False
+_handle: Any = None  # torch's RemovableHandle while the hook is installed
 _lock = threading.Lock()
 
 
@@ -26,10 +26,18 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 def install_step_hook() -> None:
     """Register the post-step hook with torch.optim (once per process)."""
-    global _installed
+    global _handle
     with _lock:
-        if not _installed:
+        if _handle is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
-            register_optimizer_step_post_hook(_after_step)
-            _installed = True
+            _handle = register_optimizer_step_post_hook(_after_step)
+
+
+def remove_step_hook() -> None:
+    """Unregister the post-step hook if installed (shutdown(), process_state.reset)."""
+    global _handle
+    with _lock:
+        handle, _handle = _handle, None
+    if handle is not None:
+        handle.remove()

@@ -270,3 +270,20 @@ def compile_refusals(rank: int) -> dict[str, str]:
         except shardkit.ShardkitError as exc:
             out[how] = str(exc)
     return out
+
+
+def dropped_models(rank: int, rounds: int) -> list[int]:
+    """`rounds` times: shard a TinyNet on this device thread, train 2 steps, drop it; how many of
+    the model, its shards and its optimizer were still alive after each gc.collect()."""
+    import gc
+    import weakref
+
+    alive = []
+    for r in range(rounds):
+        model, opt = sharded_tinynet(r)
+        train_steps(model, opt, 0, 2)
+        refs = [weakref.ref(model), weakref.ref(opt)] + [weakref.ref(p) for p in model.parameters()]
+        del model, opt
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in refs))
+    return alive

@@ -213,3 +213,11 @@ def test_the_documented_seeding_pattern_gives_one_model_on_thread_ranks():
         single = dict(TinyNet().named_parameters())
         for r in (rank0, rank1):
             assert all(torch.equal(r["seeded"][n], p.detach()) for n, p in single.items()), trial
+
+
+@pytest.mark.timeout(600)
+def test_a_dropped_model_is_freed_on_every_device_thread():
+    # The device threads share one process: a process-wide registry that held a unit would keep
+    # every thread's models alive (issue 33).
+    for rank, alive in enumerate(shardkit.spawn(_workers().dropped_models, 2, 3, backend="xla")):
+        assert alive == [0, 0, 0], (rank, alive)

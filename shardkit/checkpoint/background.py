@@ -112,6 +112,12 @@ def _forget(handle: BackgroundSave) -> None:
             _pending.remove(handle)
 
 
+def forget_pending() -> None:
+    """Forget the pending saves without waiting (process_state.reset; their threads end on their own)."""
+    with _lock:
+        _pending.clear()
+
+
 def wait_pending() -> None:
     """Wait for every background save this process started; raise the first failure."""
     with _lock:

@@ -117,6 +117,7 @@ def stop(leaving_with: BaseException | None = None) -> None:
     wd, _watchdog = _watchdog, None
     if wd is not None:
         wd.finish()
+        atexit.unregister(stop)  # start() registered it with this watchdog: one per job, not per init()
     if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGTERM) is _on_sigterm):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -125,6 +126,14 @@ def stop(leaving_with: BaseException | None = None) -> None:
     if _previous_excepthook is not None and sys.excepthook is _excepthook:
         sys.excepthook = _previous_excepthook
     _previous_excepthook = None
+
+
+def reset() -> None:
+    """Stop the watchdog, put back what start() installed, forget the phase (process_state.reset)."""
+    global _parent_at_start
+    stop()
+    where.reset()
+    _parent_at_start = os.getppid()
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:

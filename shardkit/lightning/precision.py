@@ -7,6 +7,7 @@ autocast of "bf16-mixed", the module conversion of "bf16-true"); shardkit adds t
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -38,7 +39,14 @@ def mixed_precision_for(precision: str) -> MixedPrecision | None:
                         f"supported: {', '.join(SUPPORTED)}")
 
 
-_SUBCLASSES: dict[type, type] = {}
+# plugin class -> weak reference to its clipping subclass; weak on both sides (the subclass
+# refers to its base), so neither outlives the last plugin of them.
+_SUBCLASSES: "weakref.WeakKeyDictionary[type, weakref.ref[type]]" = weakref.WeakKeyDictionary()
+
+
+def forget_subclasses() -> None:
+    """Forget the clipping subclasses made so far (process_state.reset)."""
+    _SUBCLASSES.clear()
 
 
 def clip_over_shards(plugin: Any, model: torch.nn.Module) -> None:
@@ -50,11 +58,15 @@ def clip_over_shards(plugin: Any, model: torch.nn.Module) -> None:
     branches on isinstance) through a subclass that overrides only that method.
     """
     base = type(plugin)
-    if base not in _SUBCLASSES.values():
-        if base not in _SUBCLASSES:
-            _SUBCLASSES[base] = type(base.__name__, (base,), {
-                "clip_grad_by_norm": _clip_grad_by_norm, "__module__": base.__module__})
-        plugin.__class__ = _SUBCLASSES[base]
+    if not base.__dict__.get("_shardkit_clips_over_shards", False):
+        ref = _SUBCLASSES.get(base)
+        sub = None if ref is None else ref()
+        if sub is None:
+            sub = type(base.__name__, (base,), {
+                "clip_grad_by_norm": _clip_grad_by_norm, "__module__": base.__module__,
+                "_shardkit_clips_over_shards": True})
+            _SUBCLASSES[base] = weakref.ref(sub)
+        plugin.__class__ = sub
     plugin._shardkit_model = model
 
 

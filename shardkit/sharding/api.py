@@ -16,7 +16,7 @@ from . import hooks
 from .fingerprint import check_same_model, describe
 from .stale_optimizer import remember_replaced
 from .verify import maybe_wrap
-from .groups import make_groups, shard_group_size
+from .groups import GroupMaker, make_groups, shard_group_size
 from .materialize import has_meta, materialize
 from .module_api import STATE_ATTR, sharded_class
 from .param_access import is_sharded_param, remember_params
@@ -135,11 +135,13 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
         raise ShardkitError(f"shard() got a model with no parameters ({type(model).__name__}): "
                             "there is nothing to shard or train. HINT: pass the model whose "
                             "parameters you train, with its layers already built")
-    shard_group, replica_group = make_groups(be, ctx.world, config.strategy, hybrid_group_size,
+    maker = GroupMaker(be)
+    shard_group, replica_group = make_groups(maker, ctx.world, config.strategy, hybrid_group_size,
                                              ctx.env.local_world_size)
-    reshard_groups = make_reshard_groups(be, ctx.world, shard_group, reshard)
+    reshard_groups = make_reshard_groups(maker, ctx.world, shard_group, reshard)
     state = ShardState(maybe_wrap(be, verify, ctx.timeout), device, ctx.world, shard_group,
                        replica_group, config, ranks_per_node=ctx.env.local_world_size or None)
+    maker.release_with(state)
     shard_device = torch.device("cpu") if config.cpu_offload else device
     by_param: dict[int, ShardedParam] = {}
 

@@ -22,6 +22,12 @@ _PREFIX = "shardkit/model/"
 _calls = 0
 
 
+def reset_counter() -> None:
+    """Count shard() calls from 0 again, as a new process does (process_state.reset)."""
+    global _calls
+    _calls = 0
+
+
 def describe(units: list[UnitPlan], config: ShardConfig) -> list[str]:
     """One "key: value" line per fact every rank must agree on: the options and each parameter."""
     lines = [f"options: strategy {config.strategy.name}, hybrid_group_size "

@@ -1,11 +1,58 @@
-"""Build each strategy's shard group and replicate group from the world group."""
+"""Build each strategy's shard group and replicate group from the world group.
+
+The subgroups one shard() creates belong to that model: a GroupMaker remembers them and
+`release_with` destroys them when the model's engine state dies (process groups hold sockets,
+threads and, on accelerators, communicators: a notebook that shards model after model would
+otherwise keep every one of them). The world group belongs to init() and is never released here.
+"""
 
 from __future__ import annotations
+
+import weakref
+from typing import Protocol, Sequence
 
 from ..backend import Backend
 from ..errors import ShardkitError
 from ..handles import Group
+from ..logs import logger
 from .policies import ShardingStrategy
+
+
+class MakesGroups(Protocol):
+    """Anything with a backend's new_group (a GroupMaker, or a Backend itself)."""
+
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        """Create a subgroup; every rank of the job calls this with the same ranks."""
+        ...
+
+
+class GroupMaker:
+    """Creates one model's subgroups through its backend and remembers each, so they die with it."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.made: list[Group] = []
+
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        """backend.new_group(ranks), remembered (every rank of the job calls it with the same ranks)."""
+        group = self.backend.new_group(ranks)
+        self.made.append(group)
+        return group
+
+    def release_with(self, owner: object) -> None:
+        """Destroy the groups made so far once `owner` (the model's engine state) is collected."""
+        if self.made:
+            finalizer = weakref.finalize(owner, release_groups, self.backend, list(self.made))
+            finalizer.atexit = False  # at exit, shutdown() (or the process's end) takes them all
+
+
+def release_groups(backend: Backend, groups: list[Group]) -> None:
+    """Destroy subgroups of a model that is gone; runs from a finalizer, so it never raises."""
+    for group in groups:
+        try:
+            backend.destroy_group(group)
+        except Exception as exc:  # noqa: BLE001 - a finalizer's exception would only be printed, mid-step
+            logger.debug("could not destroy process group %s: %s", group.ranks, exc)
 
 
 def _solo(world: Group) -> Group:
@@ -13,11 +60,11 @@ def _solo(world: Group) -> Group:
     return Group(0, 1, (world.ranks[world.rank],), None)
 
 
-def _make(backend: Backend, ranks: range, world: Group) -> Group:
+def _make(maker: MakesGroups, ranks: range, world: Group) -> Group:
     if len(ranks) == 1:
         return Group(0, 1, (ranks[0],), None) if world.ranks[world.rank] == ranks[0] else \
             Group(-1, 1, (ranks[0],), None)
-    return backend.new_group(list(ranks))
+    return maker.new_group(list(ranks))
 
 
 def shard_group_size(strategy: ShardingStrategy, hybrid_group_size: int | None,
@@ -36,7 +83,7 @@ def shard_group_size(strategy: ShardingStrategy, hybrid_group_size: int | None,
     return k
 
 
-def make_groups(backend: Backend, world: Group, strategy: ShardingStrategy,
+def make_groups(maker: MakesGroups, world: Group, strategy: ShardingStrategy,
                 hybrid_group_size: int | None, local_world_size: int) -> tuple[Group, Group | None]:
     """Return (shard_group, replica_group) for this rank; every rank must call this together."""
     n = world.size
@@ -49,11 +96,11 @@ def make_groups(backend: Backend, world: Group, strategy: ShardingStrategy,
     shard = replica = None
     # Every rank creates every group in the same order (new_group is collective).
     for start in range(0, n, k):
-        g = _make(backend, range(start, start + k), world)
+        g = _make(maker, range(start, start + k), world)
         if me in g.ranks:
             shard = g
     for offset in range(k):
-        g = _make(backend, range(offset, n, k), world)
+        g = _make(maker, range(offset, n, k), world)
         if me in g.ranks:
             replica = g
     assert shard is not None  # the shard groups cover every rank

@@ -40,13 +40,22 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-# module -> the unit whose hooks it carries; weak, so a dropped model takes its units with it.
-_UNIT_OF: "weakref.WeakKeyDictionary[torch.nn.Module, ShardUnit]" = weakref.WeakKeyDictionary()
+# module -> the unit whose hooks it carries. Weak on both sides: a unit refers to its module,
+# so a strong value would keep its own key, and with it the whole model, alive for the life of
+# the process (issue 33). The model keeps its units (model -> engine state -> units).
+_UNIT_OF: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[ShardUnit]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def forget_units() -> None:
+    """Forget every module's unit (process_state.reset)."""
+    _UNIT_OF.clear()
 
 
 def unit_of(module: torch.nn.Module) -> ShardUnit | None:
     """The unit whose forward hooks `module` carries, or None for a module that is not a unit."""
-    return _UNIT_OF.get(module)
+    ref = _UNIT_OF.get(module)
+    return None if ref is None else ref()
 
 
 def cast_outputs(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict,
@@ -129,11 +138,15 @@ def eager_post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kw
             if tensors:
                 unit.forward_ran()
                 for t in tensors:
-                    t.register_hook(lambda grad, u=unit: _pre_backward(u))
+                    t.register_hook(functools.partial(_pre_backward_hook, unit))
         if unit is st.root_unit:
             st.on_root_post_forward()
         where.forward_finished(unit.name)
         return output
+
+
+def _pre_backward_hook(unit: ShardUnit, grad: torch.Tensor) -> None:
+    _pre_backward(unit)
 
 
 def _pre_backward(unit: ShardUnit) -> None:
@@ -156,7 +169,7 @@ def _pre_backward(unit: ShardUnit) -> None:
 def install(unit: ShardUnit) -> list:
     """Register the forward hooks of one unit on its module; return the removable handles."""
     module = unit.module
-    _UNIT_OF[module] = unit
+    _UNIT_OF[module] = weakref.ref(unit)
     # Bound by partial, which has no frame of its own for dynamo to start tracing at.
     _never_a_graph_of_their_own()
     unit.graph_key = traced.graph_key(unit)
@@ -172,8 +185,8 @@ def install(unit: ShardUnit) -> list:
     module.compile = _compile_method(unit)  # type: ignore[method-assign]
     if unit is unit.state.root_unit and unit.state.config.mixed_precision.output_dtype is not None:
         # Root only: inner units' outputs feed the root's own layers, which compute in param_dtype.
-        handles.append(module.register_forward_hook(
-            lambda m, a, k, o, u=unit: cast_outputs(u, m, a, k, o), with_kwargs=True))
+        handles.append(module.register_forward_hook(functools.partial(cast_outputs, unit),
+                                                    with_kwargs=True))
     return handles + _guard_layers(unit)
 
 
@@ -218,11 +231,14 @@ def _guard_layers(unit: ShardUnit) -> list:
         if sp.shard_shape != sp.full_shape:
             for module, name in sp.owners:
                 owned.setdefault(module, []).append((name, sp))
-    return [module.register_forward_pre_hook(
-        lambda m, a, pairs=pairs: _refuse_if_sharded(m, pairs)) for module, pairs in owned.items()]
+    # Hooks are partials, never lambdas with default arguments: dynamo caches a spec of every
+    # function it inlines, keyed weakly by the function but holding its defaults strongly, and
+    # defaults reaching the unit would keep the whole model alive for the life of the process.
+    return [module.register_forward_pre_hook(functools.partial(_refuse_if_sharded, pairs))
+            for module, pairs in owned.items()]
 
 
-def _refuse_if_sharded(module: torch.nn.Module, pairs: list) -> None:
+def _refuse_if_sharded(pairs: list, module: torch.nn.Module, args: tuple) -> None:
     if torch.compiler.is_compiling():  # compiled code runs only inside forward
         return
     for name, sp in pairs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Iterator, Sequence
 
 from torch import nn
@@ -14,9 +15,17 @@ from .state import ShardState
 from .unit import ShardUnit
 
 STATE_ATTR = "_shardkit_state"
-# original class -> its Sharded subclass: one class per model class, however many models shard()
-_SHARDED_CLASSES: dict[type, type] = {}
+# original class -> its Sharded subclass: one class per model class, however many models shard().
+# Weak on both sides (the subclass refers to its base): a class defined in a notebook cell, and
+# its subclass, go once no model of it is left.
+_SHARDED_CLASSES: "weakref.WeakKeyDictionary[type, weakref.ref[type]]" = weakref.WeakKeyDictionary()
 _CLASSES_LOCK = threading.Lock()
+
+
+def forget_classes() -> None:
+    """Forget the Sharded subclasses made so far (process_state.reset)."""
+    with _CLASSES_LOCK:
+        _SHARDED_CLASSES.clear()
 
 
 def get_state(module: object) -> ShardState:
@@ -124,6 +133,9 @@ def _find_units(state: ShardState, keys: Sequence[nn.Module | str]) -> list[Shar
 def sharded_class(cls: type) -> type:
     """Return the class shard() gives a model of class `cls` (ShardedModule in front), made once per class."""
     with _CLASSES_LOCK:
-        if cls not in _SHARDED_CLASSES:
-            _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
-        return _SHARDED_CLASSES[cls]
+        ref = _SHARDED_CLASSES.get(cls)
+        sub = None if ref is None else ref()
+        if sub is None:
+            sub = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+            _SHARDED_CLASSES[cls] = weakref.ref(sub)
+        return sub

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 _REGISTRY: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref]] = {}
 
 
+def forget_params() -> None:
+    """Forget every sharded parameter (process_state.reset)."""
+    _REGISTRY.clear()
+
+
 def remember_params(state: "ShardState") -> None:
     """Make every sharded parameter of `state` answerable by full_shape/full_tensor/local_shard."""
     for key in [k for k, (param, _, _) in _REGISTRY.items() if param() is None]:

@@ -13,9 +13,9 @@ from typing import Callable, Mapping, Union
 
 from torch import nn
 
-from ..backend import Backend
 from ..errors import ShardkitError
 from ..handles import Group
+from .groups import MakesGroups
 from .plan import UnitPlan
 from .policies import ShardConfig, ShardingStrategy
 
@@ -72,7 +72,7 @@ def resolve(spec: ReshardSpec, units: list[UnitPlan], config: ShardConfig,
             for v, label in zip(raw, names)]
 
 
-def make_reshard_groups(backend: Backend, world: Group, shard_group: Group,
+def make_reshard_groups(maker: MakesGroups, world: Group, shard_group: Group,
                         values: list[bool | int]) -> dict[int, Group]:
     """{k: this rank's k-rank group} for every int k in `values`; every rank calls this together.
 
@@ -83,7 +83,7 @@ def make_reshard_groups(backend: Backend, world: Group, shard_group: Group,
     out: dict[int, Group] = {}
     for k in sorted({v for v in values if not isinstance(v, bool)}):
         for start in range(0, world.size, k):
-            group = backend.new_group(list(world.ranks[start:start + k]))
+            group = maker.new_group(list(world.ranks[start:start + k]))
             if me in group.ranks:
                 out[k] = group
         # Position inside the block == rank inside the group: the slice this rank keeps.

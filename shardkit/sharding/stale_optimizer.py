@@ -45,6 +45,16 @@ def remember_replaced(plans: list[ParamPlan]) -> None:
                  register_optimizer_step_post_hook(_after_step))
 
 
+def uninstall() -> None:
+    """Remove the step hooks and forget every entry (shutdown(), process_state.reset)."""
+    global _hook
+    hooks, _hook = _hook, None
+    for handle in hooks or ():
+        handle.remove()
+    _replaced.clear()
+    _checked.clear()
+
+
 def _after_step(*_: Any) -> None:
     where.enter(None, "between optimizer step and forward")
 

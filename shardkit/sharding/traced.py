@@ -44,6 +44,11 @@ _UNITS: "weakref.WeakValueDictionary[str, ShardUnit]" = weakref.WeakValueDiction
 _NEXT_KEY = itertools.count()
 
 
+def forget_units() -> None:
+    """Forget every unit's graph key (process_state.reset; the counter goes on: keys never repeat)."""
+    _UNITS.clear()
+
+
 def graph_key(unit: "ShardUnit") -> str:
     """The name the custom ops know `unit` by (assigned once per unit). A string: dynamo would
     turn an int that differs between units into a symbolic one, and hash nothing by it."""

@@ -33,6 +33,12 @@ _KEEP = 64  # fingerprints a rank keeps in the store (peers read them within a f
 _models_made = 0
 
 
+def reset_counter() -> None:
+    """Number verified models from 0 again, as a new process does (process_state.reset)."""
+    global _models_made
+    _models_made = 0
+
+
 class CollectiveOrderError(ShardkitError):
     """Ranks issued different collectives; the message names the first difference on each side."""
 

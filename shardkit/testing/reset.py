@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from ..plugin.manager import reset_plugins
-from ..runtime import current_context, shutdown
-from ..selection import forget_backend_instances
+from .. import process_state
 
 
 def reset_state() -> None:
-    """Shut down the current context, let plugins drop their state, forget plugins and backend objects.
+    """Put every process-wide thing shardkit keeps back as a new process has it (process_state.reset).
 
-    After it, the next shardkit call rediscovers plugins and builds fresh Backend objects, as in a
-    new process. Plugins drop their own state through the ``shardkit_reset_state`` hook (the xla
-    backend forgets the barriers its device threads shared).
+    It shuts down the current job, removes the hooks init() and shard() installed, lets plugins
+    drop their state (the ``shardkit_reset_state`` hook: the xla backend forgets the barriers its
+    device threads shared), and forgets plugins, Backend objects and every registry: the next
+    shardkit call rediscovers plugins and builds fresh Backend objects. shardkit.process_state
+    lists each thing with what it is and why it is process-wide.
     """
-    if current_context() is not None:
-        shutdown()
-    reset_plugins()
-    forget_backend_instances()
+    process_state.reset()

@@ -1,0 +1,191 @@
+"""Everything shardkit keeps for the life of the process, in one table, with one reset().
+
+What belongs to a model lives on the model and dies with it: its engine state, units, shards,
+gathered buffers, streams and the subgroups shard() created (destroyed by a finalizer when the
+model is collected; sharding/groups.py). Nothing process-wide may hold a model strongly: the
+registries below that map modules, parameters or units to shardkit objects are weak on both
+sides, because a weak-key map whose value refers back to its key keeps the key alive forever
+(the leak of issue 33: every sharded model stayed in memory for the life of the process).
+
+Everything else that outlives a model is listed in HELD, with what it is, why it is
+process-wide, when it is installed and how it goes. `reset()` (called by
+shardkit.testing.reset_state()) puts all of it back as a new process has it, in the table's
+order; an entry whose `reset` is empty says in `removed` why it stays. tests/test_lifetimes.py
+scans every module for module-level state and fails on one the table does not list.
+
+The table names holders as "module:attribute" strings and imports a module only when reset()
+finds it already imported, so this module imports nothing of shardkit and costs nothing to load.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Held:
+    """One thing shardkit keeps process-wide."""
+
+    holders: tuple[str, ...]  # "module:attribute" of each global that holds it
+    what: str
+    why: str  # why it is process-wide rather than the model's or the job's
+    installed: str  # when it comes into being
+    removed: str  # how it goes again
+    reset: str = ""  # "module:function" that reset() calls; "" where it stays (see `removed`)
+
+
+HELD: tuple[Held, ...] = (
+    Held(("shardkit.checkpoint.background:_pending",),
+         "handles of background checkpoint saves still being written",
+         "the next save, load, shutdown() and the end of the process wait for them",
+         "save(..., background=True)",
+         "each handle leaves once its write finished; reset() forgets them (their daemon "
+         "writer threads end on their own)",
+         "shardkit.checkpoint.background:forget_pending"),
+    Held(("shardkit.runtime:_process_context", "shardkit.runtime:_thread_local"),
+         "the job this process (or XLA device thread) joined: backend, world group, device",
+         "torch's default process group is process-wide; device threads keep their own",
+         "init() (or the first shard()/replicate() without one)",
+         "shutdown()", "shardkit.runtime:reset_context"),
+    Held(("shardkit.failure:_watchdog", "shardkit.failure:_previous_excepthook",
+          "shardkit.failure:_parent_at_start"),
+         "the watchdog thread that names a failed peer, and in launched ranks the sys.excepthook, "
+         "SIGTERM handler and atexit stop() it installs; the launcher's pid at start",
+         "a failure report speaks for the process: one watchdog per rank",
+         "init() in jobs of two or more ranks",
+         "shutdown() (failure.stop: the thread finishes, the hook, handler and atexit entry are "
+         "put back)", "shardkit.failure:reset"),
+    Held(("shardkit.failure.where:_where", "shardkit.failure.where:_forward_stack"),
+         "where training is (unit and phase), for failure reports",
+         "read by the watchdog thread and the exception hook, which know no model",
+         "the engine's hooks, on every step", "init() and reset() clear it",
+         "shardkit.failure.where:reset"),
+    Held(("shardkit.step_boundary:_handle",),
+         "a torch.optim post-step hook that cuts a lazy device's graph after each step",
+         "torch.optim's step hooks are global",
+         "init() with a backend whose capabilities set needs_step_boundary",
+         "shutdown()", "shardkit.step_boundary:remove_step_hook"),
+    Held(("shardkit.sharding.stale_optimizer:_hook", "shardkit.sharding.stale_optimizer:_replaced",
+          "shardkit.sharding.stale_optimizer:_checked"),
+         "torch.optim pre/post-step hooks that refuse an optimizer built before shard(); weak "
+         "references to the replaced parameters and to optimizers already checked",
+         "torch.optim's step hooks are global",
+         "the first shard()", "shutdown() removes the hooks (the next shard() adds them again); "
+         "entries die with their parameters and optimizers",
+         "shardkit.sharding.stale_optimizer:uninstall"),
+    Held(("shardkit.sharding.hooks:_UNIT_OF",),
+         "module -> weak reference to the unit whose hooks it carries",
+         "torch's module hooks and the recipe helpers (compile_layers) get a module, not a model",
+         "shard()", "weak on both sides: an entry dies with its module",
+         "shardkit.sharding.hooks:forget_units"),
+    Held(("shardkit.sharding.param_access:_REGISTRY",),
+         "id(parameter) -> weak references to the shard, its ShardedParam and engine state",
+         "full_shape/full_tensor/local_shard get a bare parameter",
+         "shard()", "weak: dead entries are dropped at the next shard()",
+         "shardkit.sharding.param_access:forget_params"),
+    Held(("shardkit.sharding.traced:_UNITS",),
+         "graph key -> weak reference to the unit (the custom ops take strings, not objects)",
+         "a compiled graph names units by key", "shard()", "weak: an entry dies with its unit",
+         "shardkit.sharding.traced:forget_units"),
+    Held(("shardkit.sharding.traced:_NEXT_KEY",),
+         "the counter that names units for compiled graphs",
+         "keys are baked into compiled graphs, which outlive a reset",
+         "import", "never: a key reused after a reset could let a stale graph reach a new "
+         "model's unit"),
+    Held(("shardkit.sharding.traced:gather_unit", "shardkit.sharding.traced:reduce_unit"),
+         "the torch.library custom ops shardkit::gather_unit and shardkit::reduce_unit",
+         "torch's operator registry is process-wide", "import of shardkit.sharding.traced",
+         "never: torch offers no way to unregister an operator; they hold no model"),
+    Held(("shardkit.sharding.hooks:_never_a_graph_of_their_own",),
+         "dynamo's skip list entries for the engine's two hook functions",
+         "dynamo's skip list is process-wide", "the first shard()",
+         "never: dynamo offers no way to remove one; they hold no model"),
+    Held(("shardkit.sharding.fingerprint:_calls",),
+         "how many models this process sharded (the n-th shard() on each rank compares the same "
+         "model's description in the job's store)",
+         "every rank shards its models in the same order", "shard()",
+         "reset() starts it again at 0, as a new process does",
+         "shardkit.sharding.fingerprint:reset_counter"),
+    Held(("shardkit.sharding.verify:_models_made",),
+         "how many models this process sharded with verify=True (each one's collective sequence "
+         "keys in the job's store carry its number)",
+         "every rank shards its models in the same order", "shard(verify=True)",
+         "reset() starts it again at 0, as a new process does",
+         "shardkit.sharding.verify:reset_counter"),
+    Held(("shardkit.sharding.module_api:_SHARDED_CLASSES",),
+         "model class -> weak reference to its Sharded subclass (one per class)",
+         "models of one class share a class", "shard()",
+         "weak on both sides: an entry dies with the class or the last model of it",
+         "shardkit.sharding.module_api:forget_classes"),
+    Held(("shardkit.lightning.precision:_SUBCLASSES",),
+         "Lightning precision plugin class -> weak reference to its clipping subclass",
+         "plugins of one class share a class", "the Lightning strategy's setup",
+         "weak on both sides", "shardkit.lightning.precision:forget_subclasses"),
+    Held(("shardkit.plugin.manager:_state",),
+         "the plugins discovered through entry points, with their load failures",
+         "entry points are read once per process", "the first backend lookup",
+         "reset() (after each plugin's shardkit_reset_state hook)",
+         "shardkit.plugin.manager:reset_plugins"),
+    Held(("shardkit.selection:_instances",),
+         "one Backend object per backend name", "a backend is chosen once per process",
+         "the first get_backend()/init()", "reset()",
+         "shardkit.selection:forget_backend_instances"),
+    Held(("shardkit_backends.xla.threads:_GROUP_BARRIERS",),
+         "barriers the XLA device threads of one run share", "the ranks are threads of one process",
+         "init() in each device thread", "the xla plugin's shardkit_reset_state hook (reset_plugins)"),
+    Held(("shardkit_backends.xla.backend:_local",),
+         "per device thread: how many subgroups that thread made", "thread-local",
+         "new_group() in a device thread", "dies with its thread"),
+    Held(("shardkit.lightning.registration:install",),
+         "a sys.meta_path finder that registers strategy='shardkit' when Lightning's strategy "
+         "modules load", "Lightning reads no entry point for strategies",
+         "import shardkit, while Lightning's strategies are not imported yet",
+         "never: Lightning may be imported after any reset; it finds only those two modules"),
+    Held(("shardkit.logs:configure_from_env",),
+         "a stderr handler on the 'shardkit' logger", "SHARDKIT_LOG is a process setting",
+         "import shardkit with SHARDKIT_LOG set", "never: logging is the application's to change"),
+    Held(("shardkit.parent_death:die_with_parent",),
+         "PR_SET_PDEATHSIG and a thread watching the launcher",
+         "a rank of `shardkit launch` must die with its launcher for its whole life",
+         "init() in a rank started by `shardkit launch`", "never: it ends with the process"),
+    Held(("shardkit.checkpoint.background:_finish_at_exit",),
+         "an atexit handler that waits for background saves", "the end of the process",
+         "import shardkit.checkpoint.background",
+         "never: it does nothing when no save is pending"),
+    Held(("shardkit.testing.conformance:CHECKS",),
+         "the conformance suite's checks by name", "filled once, as the module is imported",
+         "import", "never changes after import"),
+)
+
+
+def holders() -> set[str]:
+    """Every "module:attribute" the table lists."""
+    return {h for held in HELD for h in held.holders}
+
+
+def reset() -> None:
+    """Put every process-wide thing back as a new process has it (for tests and long-lived services).
+
+    Models sharded before are unusable afterwards (their job is shut down); their own state is
+    left to the garbage collector with them.
+    """
+    for held in HELD:
+        if not held.reset:
+            continue
+        module_name, function = held.reset.split(":")
+        module = sys.modules.get(module_name)
+        if module is not None:  # never imported: nothing of it to reset
+            getattr(module, function)()
+
+
+def describe() -> str:
+    """The table as text, one line per entry (for debugging a long-lived process)."""
+    lines = []
+    for held in HELD:
+        lines.append(f"- {', '.join(held.holders)}: {held.what}. Process-wide because "
+                     f"{held.why}. Installed: {held.installed}. Removed: {held.removed}.")
+    return "\n".join(lines)
+
+
+__all__ = ["HELD", "Held", "describe", "holders", "reset"]
