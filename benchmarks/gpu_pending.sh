@@ -44,7 +44,7 @@ for what in "$@"; do
     tests)
         part tests 170 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 160 -s \
             tests/test_cuda_backend.py tests/test_sharding_gpu.py tests/test_replicate.py \
-            tests/test_planner_gpu.py ;;
+            tests/test_planner_gpu.py tests/test_lifetimes.py ;;
     compile)
         part compile 200 $PY benchmarks/bench_step.py --model gpt2-medium --device cuda --dtype bf16 \
             --nproc 1 --batch 8 --seq 512 --warmup 3 --chunk 3 --steps 12 \

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import os
 import resource
-import tempfile
 import weakref
 from typing import Any, Callable
 
@@ -234,6 +233,26 @@ def rounds(rank: int, world: int, n_rounds: int, width: int) -> dict:
             "tensor_bytes_with_model": with_model, "model_bytes": 4 * (width * width + width) * 4}
 
 
-def checkpoint_dir() -> str:
-    """A scratch directory for the checkpoint probes (rank 0's; the caller removes it)."""
-    return tempfile.mkdtemp(prefix="shardkit-lifetimes-")
+def gpu_rounds(rank: int, world: int, n: int) -> list[tuple[int, int]]:
+    """A warm-up round, then n rounds of 8 x Linear(4096, 4096) with AdamW on the GPU: for each,
+    (bytes allocated with the model, bytes allocated after its delete) above the baseline taken
+    after the warm-up (which leaves cuBLAS workspaces on the streams it used, held for the process)."""
+    out = []
+    for _ in range(n + 1):
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated() if out else None
+        model = shardkit.shard(torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]),
+                               auto_wrap_policy=lambda m: isinstance(m, torch.nn.Linear))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(8, 4096, device=shardkit.current_context().device)).sum().backward()
+        optimizer.step()
+        torch.cuda.synchronize()
+        with_model = torch.cuda.memory_allocated()
+        del model, optimizer
+        gc.collect()
+        torch.cuda.synchronize()
+        if baseline is None:
+            out.append((0, 0))  # the warm-up round: only sets the baseline
+            continue
+        out.append((with_model - baseline, torch.cuda.memory_allocated() - baseline))
+    return out[1:]

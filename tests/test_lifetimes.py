@@ -236,31 +236,12 @@ def test_lightning_fit_twice_and_fabric_setup_twice_free_their_models(tmp_path):
         assert seen["groups"] == 1, (run, seen)
 
 
-def _gpu_rounds(rank: int, world: int, n: int) -> list[tuple[int, int]]:
-    import torch
-
-    baseline = torch.cuda.memory_allocated()
-    out = []
-    for _ in range(n):
-        model = shardkit.shard(torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]),
-                               auto_wrap_policy=lambda m: isinstance(m, torch.nn.Linear))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        model(torch.randn(8, 4096, device=shardkit.current_context().device)).sum().backward()
-        optimizer.step()
-        peak = torch.cuda.memory_allocated()
-        del model, optimizer
-        gc.collect()
-        torch.cuda.synchronize()
-        out.append((peak - baseline, torch.cuda.memory_allocated() - baseline))
-    return out
-
-
 @pytest.mark.gpu
 def test_gpu_memory_returns_to_its_baseline_after_each_dropped_model():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    (rounds,) = shardkit.spawn(_gpu_rounds, 1, 1, 5, backend="cuda")
+    (rounds,) = shardkit.spawn(_lifetime_workers.gpu_rounds, 1, 1, 5, backend="cuda")
     print("GPU rounds (allocated with model, after delete), bytes:", rounds)
     for with_model, after in rounds:
         assert with_model > 8 * 4096 * 4096 * 4  # the probe saw the model on the device

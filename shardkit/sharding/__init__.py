@@ -1,7 +1,7 @@
 """The sharding engine: per-parameter shards, per-unit flat collectives, hook-driven runtime.
 
 Layout (one job per file): policies (strategy, MixedPrecision, config), plan (which module is a
-unit, which unit owns each parameter), groups (shard / replicate groups), layout (a parameter's
+unit, which unit owns each parameter), groups (shard / replicate groups, destroyed when their model dies), layout (a parameter's
 dim-0 row split), param (one parameter's shard and gathered tensor), param_access (global
 shape, full tensor and local rows of a sharded parameter, for training code), collectives
 (fused copy-in, collective, fused copy-out; divide factors), buffers (flat-buffer reuse on
