@@ -41,15 +41,38 @@ class LaunchEnv:
     job_id: str | None = None  # e.g. "SLURM_JOB_ID=1234": what tells this job from another
 
     def export(self, environ: dict[str, str] | None = None) -> None:
-        """Write the torch env:// variables so torch.distributed and child libraries agree."""
-        env = os.environ if environ is None else environ
-        env["RANK"] = str(self.rank)
-        env["WORLD_SIZE"] = str(self.world_size)
-        env["LOCAL_RANK"] = str(self.local_rank)
-        env["LOCAL_WORLD_SIZE"] = str(self.local_world_size)
-        env["MASTER_ADDR"] = self.master_addr
+        """Write the torch env:// variables so torch.distributed and child libraries agree.
+
+        Written into os.environ (the default), the values they replace are kept until
+        restore_environ() (shutdown()) puts them back.
+        """
+        values = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+                  "LOCAL_RANK": str(self.local_rank),
+                  "LOCAL_WORLD_SIZE": str(self.local_world_size), "MASTER_ADDR": self.master_addr}
         if self.master_port is not None:
-            env["MASTER_PORT"] = str(self.master_port)
+            values["MASTER_PORT"] = str(self.master_port)
+        if environ is None:
+            for name in values:
+                _replaced_environ.setdefault(name, os.environ.get(name))
+            os.environ.update(values)
+        else:
+            environ.update(values)
+
+
+# name -> its value before init() exported the launch variables (None: it was unset). A notebook
+# that joins a one-process job and later starts a launcher (Lightning's devices=2, torchrun)
+# would otherwise hand its children this process's RANK=0, WORLD_SIZE=1, LOCAL_WORLD_SIZE=1.
+_replaced_environ: dict[str, str | None] = {}
+
+
+def restore_environ() -> None:
+    """Put back the environment variables export() replaced in os.environ (shutdown())."""
+    for name, value in _replaced_environ.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _replaced_environ.clear()
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:

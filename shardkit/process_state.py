@@ -48,6 +48,13 @@ HELD: tuple[Held, ...] = (
          "torch's default process group is process-wide; device threads keep their own",
          "init() (or the first shard()/replicate() without one)",
          "shutdown()", "shardkit.runtime:reset_context"),
+    Held(("shardkit.launch_env:_replaced_environ",),
+         "the values of RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and "
+         "MASTER_PORT that init() replaced when it exported the job's launch variables",
+         "os.environ is the process's; torch's env:// rendezvous reads it",
+         "init() of a job with a rendezvous",
+         "shutdown() puts the previous values back (a variable that was unset is removed)",
+         "shardkit.launch_env:restore_environ"),
     Held(("shardkit.failure:_watchdog", "shardkit.failure:_previous_excepthook",
           "shardkit.failure:_parent_at_start"),
          "the watchdog thread that names a failed peer, and in launched ranks the sys.excepthook, "

@@ -13,7 +13,7 @@ from . import failure
 from .backend import Backend, DeviceLike
 from .errors import ShardkitError
 from .handles import Group
-from .launch_env import LaunchEnv
+from .launch_env import LaunchEnv, restore_environ
 from .logs import logger
 from .parent_death import die_with_parent, launched_by_shardkit
 from .selection import get_backend
@@ -146,6 +146,7 @@ def shutdown() -> None:
         ctx.backend.shutdown()
     _set_current(None)
     _remove_step_hooks()
+    restore_environ()
     if in_flight is not None and replacement is not None and replacement is not in_flight:
         if failure.quiet(in_flight, replacement):
             raise replacement from None  # the original's traceback is in the file it names

@@ -8,7 +8,6 @@ models (and their shards) outlived their run, and the process-group count after 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import weakref
 
@@ -22,6 +21,7 @@ import lightning.pytorch as pl
 
 import shardkit  # noqa: F401 - registers strategy="shardkit", as a user's import would
 
+from _lifetime_workers import collect
 from _lightning_script import Module, build, data
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     for name, run in (("fit", fit_once), ("fabric", fabric_once)):
         for attempt in range(2):
             refs = run(args.devices)
-            gc.collect()
+            collect(refs)
             report[f"{name} {attempt}"] = {"alive": sum(r() is not None for r in refs),
                                            "checked": len(refs), "groups": _groups()}
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import resource
+import time
 import weakref
 from typing import Any, Callable
 
@@ -49,6 +50,17 @@ def live_tensor_bytes() -> int:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
     return total
+
+
+def collect(refs: list[weakref.ref]) -> None:
+    """gc.collect() until every reference is dead, or 40 tries: a collection another thread of the
+    rank (the watchdog's, a checkpoint writer's) has in progress makes gc.collect() return at once
+    without collecting. A real leak stays alive through every try."""
+    for _ in range(40):
+        gc.collect()
+        if all(ref() is None for ref in refs):
+            return
+        time.sleep(0.05)
 
 
 def _step(model: torch.nn.Module, rank: int, optimizer=None) -> None:
@@ -174,7 +186,7 @@ def run_probe(probe: Callable[..., tuple], *args: Any) -> dict:
     refs = [weakref.ref(model)] + [weakref.ref(o) for o in made]
     names = [type(model).__name__] + [type(o).__name__ for o in made]
     del model, made
-    gc.collect()
+    collect(refs)
     return {"alive": sorted({n for n, r in zip(names, refs) if r() is not None}),
             "checked": len(refs), "groups_before": groups_before,
             "groups_with_model": groups_with_model, "groups_after": live_groups()}
@@ -224,8 +236,9 @@ def rounds(rank: int, world: int, n_rounds: int, width: int) -> dict:
         model(torch.randn(2, width)).sum().backward()
         optimizer.step()
         with_model.append(live_tensor_bytes())
+        refs = [weakref.ref(model), weakref.ref(optimizer)]
         del model, optimizer
-        gc.collect()
+        collect(refs)
         tensor_bytes.append(live_tensor_bytes())
         rss.append(rss_bytes())
         groups.append(live_groups())
@@ -248,8 +261,9 @@ def gpu_rounds(rank: int, world: int, n: int) -> list[tuple[int, int]]:
         optimizer.step()
         torch.cuda.synchronize()
         with_model = torch.cuda.memory_allocated()
+        refs = [weakref.ref(model), weakref.ref(optimizer)]
         del model, optimizer
-        gc.collect()
+        collect(refs)
         torch.cuda.synchronize()
         if baseline is None:
             out.append((0, 0))  # the warm-up round: only sets the baseline

@@ -276,6 +276,7 @@ def dropped_models(rank: int, rounds: int) -> list[int]:
     """`rounds` times: shard a TinyNet on this device thread, train 2 steps, drop it; how many of
     the model, its shards and its optimizer were still alive after each gc.collect()."""
     import gc
+    import time
     import weakref
 
     alive = []
@@ -284,6 +285,12 @@ def dropped_models(rank: int, rounds: int) -> list[int]:
         train_steps(model, opt, 0, 2)
         refs = [weakref.ref(model), weakref.ref(opt)] + [weakref.ref(p) for p in model.parameters()]
         del model, opt
-        gc.collect()
+        # The device threads share one collector, and a gc.collect() that meets another
+        # thread's collection in progress returns at once without collecting: try again.
+        for _ in range(40):
+            gc.collect()
+            if all(ref() is None for ref in refs):
+                break
+            time.sleep(0.05)
         alive.append(sum(ref() is not None for ref in refs))
     return alive

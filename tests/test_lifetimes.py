@@ -14,6 +14,7 @@ import ast
 import gc
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import weakref
@@ -155,20 +156,29 @@ def test_reset_state_puts_back_everything_init_and_shard_installed(monkeypatch):
 
 
 @pytest.mark.usefixtures("fresh_plugins")
-def test_shutdown_removes_the_optimizer_hooks_init_and_shard_installed(monkeypatch):
+def test_shutdown_removes_the_optimizer_hooks_and_launch_variables_init_and_shard_installed(monkeypatch):
     import torch
     from torch.optim import optimizer as optim_hooks
 
     monkeypatch.setenv("MASTER_PORT", "29792")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    environ = dict(os.environ)
     before = len(optim_hooks._global_optimizer_pre_hooks), len(optim_hooks._global_optimizer_post_hooks)
     shardkit.init(backend="cpu")
     model = shardkit.shard(torch.nn.Linear(4, 4))
     assert len(optim_hooks._global_optimizer_pre_hooks) == before[0] + 1
+    assert os.environ["LOCAL_WORLD_SIZE"] == "1"  # exported for torch's env:// rendezvous
     shardkit.shutdown()
     after = len(optim_hooks._global_optimizer_pre_hooks), len(optim_hooks._global_optimizer_post_hooks)
     assert after == before
+    # A launcher started after shutdown() (Lightning's devices=2 in a notebook) must not inherit
+    # this process's one-rank job: the launch variables init() exported are gone again.
+    changed = {k for k in set(environ) | set(os.environ) if environ.get(k) != os.environ.get(k)}
+    assert not changed & {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                          "MASTER_PORT"}, changed
     ref = weakref.ref(model)
     del model
     gc.collect()
@@ -225,9 +235,14 @@ def test_twenty_rounds_of_build_shard_train_delete_keep_memory_flat():
 def test_lightning_fit_twice_and_fabric_setup_twice_free_their_models(tmp_path):
     pytest.importorskip("lightning")
     out = tmp_path / "lifetimes.json"
+    # A fresh job: nothing of this process's launch variables (an earlier spawn's port) leaks in.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SHARDKIT_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                "NODE_RANK", "TORCHELASTIC"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_lifetime_lightning_script.py"),
-                           "--devices", "2", "--out", str(out)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
+                           "--devices", "2", "--out", str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report) == {"fit 0", "fit 1", "fabric 0", "fabric 1"}
