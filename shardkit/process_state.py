@@ -43,8 +43,10 @@ HELD: tuple[Held, ...] = (
          "each handle leaves once its write finished; reset() forgets them (their daemon "
          "writer threads end on their own)",
          "shardkit.checkpoint.background:forget_pending"),
-    Held(("shardkit.runtime:_process_context", "shardkit.runtime:_thread_local"),
-         "the job this process (or XLA device thread) joined: backend, world group, device",
+    Held(("shardkit.runtime:_process_context", "shardkit.runtime:_thread_local",
+          "shardkit.runtime:_live_contexts"),
+         "the job this process (or XLA device thread) joined: backend, world group, device; how "
+         "many contexts are live (the job-wide hooks go with the last)",
          "torch's default process group is process-wide; device threads keep their own",
          "init() (or the first shard()/replicate() without one)",
          "shutdown()", "shardkit.runtime:reset_context"),

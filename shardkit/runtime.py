@@ -54,6 +54,11 @@ class DistContext:
 
 _thread_local = threading.local()
 _process_context: DistContext | None = None
+# Contexts init() made that shutdown() has not ended: one per process, or one per device thread
+# where ranks are threads. Process-wide hooks go only with the last of them: a device thread that
+# finishes first must not pull the optimizer hooks from under the others' step.
+_live_contexts = 0
+_live_lock = threading.Lock()
 
 
 def current_context() -> DistContext | None:
@@ -101,6 +106,7 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
                 ctx.rank, ctx.world_size, env.local_rank, env.launcher, be.name, device,
                 be.process_group_backend())
     _set_current(ctx)
+    _count_contexts(+1)
     failure.start(world.rank, world.size, timeout, be.capabilities.ranks_share_process, enabled)
     return ctx
 
@@ -145,12 +151,21 @@ def shutdown() -> None:
         failure.stop(leaving_with=replacement)
         ctx.backend.shutdown()
     _set_current(None)
-    _remove_step_hooks()
-    restore_environ()
+    if _count_contexts(-1 if ctx is not None else 0) == 0:
+        _remove_step_hooks()
+        restore_environ()
     if in_flight is not None and replacement is not None and replacement is not in_flight:
         if failure.quiet(in_flight, replacement):
             raise replacement from None  # the original's traceback is in the file it names
         raise replacement from in_flight
+
+
+def _count_contexts(change: int) -> int:
+    """Add `change` to the live contexts; return how many are left."""
+    global _live_contexts
+    with _live_lock:
+        _live_contexts = max(0, _live_contexts + change)
+        return _live_contexts
 
 
 def _remove_step_hooks() -> None:
@@ -166,3 +181,7 @@ def reset_context() -> None:
     """Shut down the job this process (or device thread) joined, if any (process_state.reset)."""
     if current_context() is not None:
         shutdown()
+    # Contexts of device threads that never shut down (a test that failed in one) end here too.
+    _count_contexts(-_count_contexts(0))
+    _remove_step_hooks()
+    restore_environ()
