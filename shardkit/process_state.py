@@ -188,13 +188,4 @@ def reset() -> None:
             getattr(module, function)()
 
 
-def describe() -> str:
-    """The table as text, one line per entry (for debugging a long-lived process)."""
-    lines = []
-    for held in HELD:
-        lines.append(f"- {', '.join(held.holders)}: {held.what}. Process-wide because "
-                     f"{held.why}. Installed: {held.installed}. Removed: {held.removed}.")
-    return "\n".join(lines)
-
-
-__all__ = ["HELD", "Held", "describe", "holders", "reset"]
+__all__ = ["HELD", "Held", "holders", "reset"]

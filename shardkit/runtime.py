@@ -181,7 +181,8 @@ def reset_context() -> None:
     """Shut down the job this process (or device thread) joined, if any (process_state.reset)."""
     if current_context() is not None:
         shutdown()
-    # Contexts of device threads that never shut down (a test that failed in one) end here too.
-    _count_contexts(-_count_contexts(0))
+    global _live_contexts
+    with _live_lock:  # device threads that never shut down (a test failed in one) end here too
+        _live_contexts = 0
     _remove_step_hooks()
     restore_environ()

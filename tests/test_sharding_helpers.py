@@ -19,7 +19,7 @@ from shardkit.errors import ShardkitError
 from shardkit.handles import Group
 from shardkit.sharding.buffers import BufferPool
 from shardkit.sharding.collectives import copy_out, divide_factors, pack_grads
-from shardkit.sharding.groups import make_groups
+from shardkit.sharding.groups import GroupMaker, make_groups
 from shardkit.sharding.param import ShardedParam
 from shardkit.sharding.policies import ShardingStrategy
 
@@ -174,13 +174,13 @@ def test_full_sharding_uses_the_world_and_no_replicas(strategy: ShardingStrategy
     """FULL_SHARD and SHARD_GRAD_OP shard over the whole world and create no group."""
     be = RecordingBackend(me=2)
     world = _world(5, 2)
-    assert make_groups(be, world, strategy, None, 5) == (world, None) and be.calls == []
+    assert make_groups(GroupMaker(be), world, strategy, None, 5) == (world, None) and be.calls == []
 
 
 def test_no_shard_replicates_over_the_world() -> None:
     """NO_SHARD: a one-rank shard group of this rank, the world as replica group."""
     be = RecordingBackend(me=3)
-    shard, replica = make_groups(be, _world(5, 3), ShardingStrategy.NO_SHARD, None, 5)
+    shard, replica = make_groups(GroupMaker(be), _world(5, 3), ShardingStrategy.NO_SHARD, None, 5)
     assert (shard.rank, shard.size, shard.ranks) == (0, 1, (3,)) and replica == _world(5, 3)
 
 
@@ -189,7 +189,7 @@ def test_hybrid_groups_are_blocks_and_strides(world_size: int, k: int, me: int) 
     """HYBRID_SHARD: shard group = my block of k consecutive ranks, replica group = my stride-k column;
     every rank creates every group in the same order."""
     be = RecordingBackend(me=me)
-    shard, replica = make_groups(be, _world(world_size, me), ShardingStrategy.HYBRID_SHARD, k,
+    shard, replica = make_groups(GroupMaker(be), _world(world_size, me), ShardingStrategy.HYBRID_SHARD, k,
                                  world_size)
     block = me // k * k
     assert shard.ranks == tuple(range(block, block + k)) and shard.rank == me - block
@@ -203,4 +203,4 @@ def test_hybrid_groups_are_blocks_and_strides(world_size: int, k: int, me: int) 
 def test_hybrid_group_size_must_divide_the_world() -> None:
     """A shard group size that does not divide the world size is refused with a hint."""
     with pytest.raises(ShardkitError, match="multiple of the shard group size"):
-        make_groups(RecordingBackend(me=0), _world(6, 0), ShardingStrategy.HYBRID_SHARD, 4, 6)
+        make_groups(GroupMaker(RecordingBackend(me=0)), _world(6, 0), ShardingStrategy.HYBRID_SHARD, 4, 6)

@@ -9,21 +9,13 @@ otherwise keep every one of them). The world group belongs to init() and is neve
 from __future__ import annotations
 
 import weakref
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from ..backend import Backend
 from ..errors import ShardkitError
 from ..handles import Group
 from ..logs import logger
 from .policies import ShardingStrategy
-
-
-class MakesGroups(Protocol):
-    """Anything with a backend's new_group (a GroupMaker, or a Backend itself)."""
-
-    def new_group(self, ranks: Sequence[int]) -> Group:
-        """Create a subgroup; every rank of the job calls this with the same ranks."""
-        ...
 
 
 class GroupMaker:
@@ -60,7 +52,7 @@ def _solo(world: Group) -> Group:
     return Group(0, 1, (world.ranks[world.rank],), None)
 
 
-def _make(maker: MakesGroups, ranks: range, world: Group) -> Group:
+def _make(maker: GroupMaker, ranks: range, world: Group) -> Group:
     if len(ranks) == 1:
         return Group(0, 1, (ranks[0],), None) if world.ranks[world.rank] == ranks[0] else \
             Group(-1, 1, (ranks[0],), None)
@@ -83,7 +75,7 @@ def shard_group_size(strategy: ShardingStrategy, hybrid_group_size: int | None,
     return k
 
 
-def make_groups(maker: MakesGroups, world: Group, strategy: ShardingStrategy,
+def make_groups(maker: GroupMaker, world: Group, strategy: ShardingStrategy,
                 hybrid_group_size: int | None, local_world_size: int) -> tuple[Group, Group | None]:
     """Return (shard_group, replica_group) for this rank; every rank must call this together."""
     n = world.size

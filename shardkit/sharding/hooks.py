@@ -138,18 +138,14 @@ def eager_post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kw
             if tensors:
                 unit.forward_ran()
                 for t in tensors:
-                    t.register_hook(functools.partial(_pre_backward_hook, unit))
+                    t.register_hook(functools.partial(_pre_backward, unit))
         if unit is st.root_unit:
             st.on_root_post_forward()
         where.forward_finished(unit.name)
         return output
 
 
-def _pre_backward_hook(unit: ShardUnit, grad: torch.Tensor) -> None:
-    _pre_backward(unit)
-
-
-def _pre_backward(unit: ShardUnit) -> None:
+def _pre_backward(unit: ShardUnit, grad: torch.Tensor) -> None:
     st = unit.state
     where.enter(unit.name, "backward")
     st.queue_finalizer()

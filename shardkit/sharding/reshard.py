@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import ShardkitError
 from ..handles import Group
-from .groups import MakesGroups
+from .groups import GroupMaker
 from .plan import UnitPlan
 from .policies import ShardConfig, ShardingStrategy
 
@@ -72,7 +72,7 @@ def resolve(spec: ReshardSpec, units: list[UnitPlan], config: ShardConfig,
             for v, label in zip(raw, names)]
 
 
-def make_reshard_groups(maker: MakesGroups, world: Group, shard_group: Group,
+def make_reshard_groups(maker: GroupMaker, world: Group, shard_group: Group,
                         values: list[bool | int]) -> dict[int, Group]:
     """{k: this rank's k-rank group} for every int k in `values`; every rank calls this together.
 
