@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
-from typing import Sequence
+import threading
+from typing import Any, Sequence
 
 from .._version import __version__
 from ..errors import ShardkitError
@@ -91,13 +93,38 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `shardkit` command line; return its exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    previous = signal.getsignal(signal.SIGINT)
+    pressed = _note_ctrl_c()
     try:
         return _run(argv)
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        # A Ctrl-C that lands inside a library's import (scikit-learn -> scipy -> numpy) can leave
+        # that library half-imported and surface as another error (a RecursionError from numpy);
+        # it is still the user's interrupt, and is answered as one.
+        if not (isinstance(exc, KeyboardInterrupt) or pressed):
+            raise
         # Ctrl-C reached every process of the terminal's group; spawn has stopped the ranks.
         print(f"\nshardkit {_first_positional(argv) or ''}: interrupted".replace(" :", ":"),
               file=sys.stderr)
         return 128 + 2
+    finally:
+        if pressed is not None and previous is not None:  # main() called in-process gives it back
+            signal.signal(signal.SIGINT, previous)
+
+
+def _note_ctrl_c() -> list[bool] | None:
+    """While Python's own SIGINT handler is in place, record a Ctrl-C before raising as it does:
+    the returned list is non-empty once one came (None: another handler is in place, left alone)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        return None
+    pressed: list[bool] = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        pressed.append(True)
+        signal.default_int_handler(signum, frame)
+    signal.signal(signal.SIGINT, on_sigint)
+    return pressed
 
 
 def _run(argv: list[str]) -> int:
