@@ -63,13 +63,14 @@ def collect(refs: list[weakref.ref]) -> None:
         time.sleep(0.05)
 
 
-def _step(model: torch.nn.Module, rank: int, optimizer=None) -> None:
+def _step(model: torch.nn.Module, rank: int, optimizer=None) -> torch.Tensor:
     x, y = batch(0, rank)
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad()
+    return loss
 
 
 def _sharded(rank: int, **kwargs: Any) -> torch.nn.Module:
@@ -79,10 +80,13 @@ def _sharded(rank: int, **kwargs: Any) -> torch.nn.Module:
     return model
 
 
-def _engine_objects(model: torch.nn.Module) -> list:
-    """What shardkit made for `model`: its state, units and their groups, shards, streams."""
+def _engine_objects(model: torch.nn.Module, shards: bool = True) -> list:
+    """What shardkit made for `model`: its state, units and their groups, per-parameter objects
+    and (unless shards=False) the shard tensors."""
     state = get_state(model)
-    out = [state, *state.units, *(sp.sharded for sp in state.iter_params())]
+    out = [state, *state.units, *state.iter_params()]
+    if shards:
+        out += [sp.sharded for sp in state.iter_params()]
     out += [g.handle for g in (state.shard_group, state.replica_group) if g is not None
             and g.handle is not None and g.handle is not dist.GroupMember.WORLD]
     out += [u.reshard_group.handle for u in state.units
@@ -149,6 +153,21 @@ def probe_compile_model(rank: int, world: int, fullgraph: bool) -> tuple:
     return compiled, [model, *_engine_objects(model)]
 
 
+def probe_last_loss_kept(rank: int, world: int, compiled: bool) -> tuple:
+    """The user keeps the last step's loss (a notebook variable, a logged value): its autograd
+    graph outlives the backward, and must not keep the model."""
+    torch.manual_seed(0)
+    model = shardkit.shard(TinyNet(), auto_wrap_policy=BLOCKS)
+    run = torch.compile(model, backend="eager") if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(run, rank, optimizer)
+    loss = _step(run, rank, optimizer)
+    # Compiled, the graph takes the shards themselves as inputs, and torch's AccumulateGrad nodes
+    # of a kept graph hold the leaf tensors they feed, with shardkit or without (an unsharded
+    # model's parameters stay alive the same way); everything else must go.
+    return run, [model, optimizer, *_engine_objects(model, shards=not compiled)], loss
+
+
 def probe_checkpointing(rank: int, world: int) -> tuple:
     torch.manual_seed(0)
     model = shardkit.shard(TinyNet(), auto_wrap_policy=BLOCKS)
@@ -179,9 +198,10 @@ def probe_checkpoint(rank: int, world: int, directory: str, background: bool) ->
 
 
 def run_probe(probe: Callable[..., tuple], *args: Any) -> dict:
-    """Run `probe`, drop what it returned, collect once; report the survivors and group counts."""
+    """Run `probe`, drop the model and what it made (the user still holds what it returns third,
+    if anything), collect; report the survivors and group counts."""
     groups_before = live_groups()
-    model, made = probe(*args)
+    model, made, *kept = probe(*args)  # kept: what the user still holds while we look
     groups_with_model = live_groups()
     refs = [weakref.ref(model)] + [weakref.ref(o) for o in made]
     names = [type(model).__name__] + [type(o).__name__ for o in made]
@@ -207,6 +227,8 @@ def all_paths(rank: int, world: int, directory: str) -> dict:
         "torch.compile(model)": (probe_compile_model, rank, world, False),
         "torch.compile(model, fullgraph=True)": (probe_compile_model, rank, world, True),
         "activation checkpointing": (probe_checkpointing, rank, world),
+        "last loss kept": (probe_last_loss_kept, rank, world, False),
+        "last loss kept, torch.compile(model)": (probe_last_loss_kept, rank, world, True),
         "meta init": (probe_meta_init, rank, world),
         "checkpoint save/load/full_state_dict": (probe_checkpoint, rank, world, directory, False),
         "checkpoint background save": (probe_checkpoint, rank, world, directory, True),

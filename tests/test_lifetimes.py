@@ -196,7 +196,7 @@ def test_a_dropped_model_is_freed_on_every_path_at_two_ranks(tmp_path):
     runs = shardkit.spawn(_lifetime_workers.all_paths, 2, 2, str(tmp_path), backend="cpu",
                           threads_per_rank=1)
     for report in runs:
-        assert len(report) == 15
+        assert len(report) == 17
         _assert_freed(report)
         # HYBRID at 2 ranks made a replica group for the model and destroyed it with the model.
         hybrid = report["HYBRID_SHARD"]
@@ -208,7 +208,7 @@ def test_a_dropped_model_is_freed_on_every_path_at_four_ranks(tmp_path):
     runs = shardkit.spawn(_lifetime_workers.all_paths, 4, 4, str(tmp_path), backend="cpu",
                           threads_per_rank=1)
     for report in runs:
-        assert "int reshard" in report and len(report) == 16
+        assert "int reshard" in report and len(report) == 18
         _assert_freed(report)
         # HYBRID 2 x 2: a shard group and a replica group; int reshard 2: one pair group.
         assert report["HYBRID_SHARD"]["groups_with_model"] == report["HYBRID_SHARD"]["groups_before"] + 2

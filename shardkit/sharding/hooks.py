@@ -19,21 +19,26 @@ from .trace import trace_range
 from .unit import ShardUnit
 
 
+# What autograd keeps of a step holds units weakly: a graph outlives its backward as long as the
+# user keeps any tensor of it (the last `loss` in a notebook, a logged output), and through a
+# strong reference it would keep the whole model alive after `del model`.
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the unit's whole backward is done."""
 
     @override
     @staticmethod
     def forward(ctx, unit: ShardUnit, *inputs: torch.Tensor):
-        """Pass the inputs through unchanged, remembering the unit."""
-        ctx.unit = unit
+        """Pass the inputs through unchanged, remembering the unit (weakly)."""
+        ctx.unit = weakref.ref(unit)
         return inputs
 
     @override
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         """Grads reached the unit's inputs: once every forward call's backward is done, reduce."""
-        unit = ctx.unit
+        unit = ctx.unit()
+        if unit is None:  # the model is gone: nothing left to reduce into
+            return (None, *grads)
         unit.forward_uses -= 1
         if unit.forward_uses == 0 and unit.needs_post_backward:
             unit.state.post_backward(unit)
@@ -138,14 +143,17 @@ def eager_post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kw
             if tensors:
                 unit.forward_ran()
                 for t in tensors:
-                    t.register_hook(functools.partial(_pre_backward, unit))
+                    t.register_hook(functools.partial(_pre_backward, weakref.ref(unit)))
         if unit is st.root_unit:
             st.on_root_post_forward()
         where.forward_finished(unit.name)
         return output
 
 
-def _pre_backward(unit: ShardUnit, grad: torch.Tensor) -> None:
+def _pre_backward(unit_ref: "weakref.ref[ShardUnit]", grad: torch.Tensor) -> None:
+    unit = unit_ref()
+    if unit is None:  # a backward through the graph of a model that is gone
+        return
     st = unit.state
     where.enter(unit.name, "backward")
     st.queue_finalizer()
