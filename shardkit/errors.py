@@ -7,6 +7,10 @@ class ShardkitError(RuntimeError):
     """Base class for every error shardkit raises on purpose."""
 
 
+class ShardedStateDictWarning(UserWarning):
+    """state_dict() of a sharded model was taken: it holds one rank's rows, not the whole model."""
+
+
 class BackendNotFoundError(ShardkitError, LookupError):
     """A backend name that no installed plugin registers."""
 

@@ -83,6 +83,13 @@ HELD: tuple[Held, ...] = (
          "the first shard()", "shutdown() removes the hooks (the next shard() adds them again); "
          "entries die with their parameters and optimizers",
          "shardkit.sharding.stale_optimizer:uninstall"),
+    Held(("shardkit.sharding.torch_norms:_installed", "shardkit.sharding.torch_norms:_replaced_clip"),
+         "torch.nn.utils.clip_grad._get_total_norm and torch.nn.utils.get_total_norm replaced "
+         "by a version that counts a sharded gradient as its whole parameter's (and, where a "
+         "vendor library replaced torch.nn.utils.clip_grad_norm_, a function in front of it)",
+         "torch's clip_grad_norm_ looks its total-norm function up in its module on every call",
+         "the first shard()", "shutdown() puts torch's function back (the next shard() "
+         "replaces it again)", "shardkit.sharding.torch_norms:uninstall"),
     Held(("shardkit.sharding.hooks:_UNIT_OF",),
          "module -> weak reference to the unit whose hooks it carries",
          "torch's module hooks and the recipe helpers (compile_layers) get a module, not a model",

@@ -152,7 +152,7 @@ def shutdown() -> None:
         ctx.backend.shutdown()
     _set_current(None)
     if _count_contexts(-1 if ctx is not None else 0) == 0:
-        _remove_step_hooks()
+        _remove_job_hooks()
         restore_environ()
     if in_flight is not None and replacement is not None and replacement is not in_flight:
         if failure.quiet(in_flight, replacement):
@@ -168,13 +168,14 @@ def _count_contexts(change: int) -> int:
         return _live_contexts
 
 
-def _remove_step_hooks() -> None:
-    # The torch.optim hooks init() and shard() installed go with the job (process_state.py);
-    # the next init() / shard() installs them again.
+def _remove_job_hooks() -> None:
+    # The torch.optim hooks and torch's total-norm replacement that init() and shard()
+    # installed go with the job (process_state.py); the next init() / shard() installs them again.
     remove_step_hook()
-    stale = sys.modules.get("shardkit.sharding.stale_optimizer")
-    if stale is not None:
-        stale.uninstall()
+    for name in ("shardkit.sharding.stale_optimizer", "shardkit.sharding.torch_norms"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.uninstall()
 
 
 def reset_context() -> None:
@@ -184,5 +185,5 @@ def reset_context() -> None:
     global _live_contexts
     with _live_lock:  # device threads that never shut down (a test failed in one) end here too
         _live_contexts = 0
-    _remove_step_hooks()
+    _remove_job_hooks()
     restore_environ()

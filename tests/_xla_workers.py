@@ -294,3 +294,36 @@ def dropped_models(rank: int, rounds: int) -> list[int]:
             time.sleep(0.05)
         alive.append(sum(ref() is not None for ref in refs))
     return alive
+
+
+def torch_idioms(rank: int, world: int, steps: int = 3) -> dict:
+    """torch's clip_grad_norm_ and load_state_dict on XLA device threads, against CPU unsharded."""
+    import warnings
+
+    ctx = shardkit.current_context()
+    ref, model = reference_and_copy(seed=0)
+    full = copy.deepcopy(ref.state_dict())
+    model = shardkit.shard(model, auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    out: dict = {"norms": [], "ref_norms": [], "diffs": []}
+    for step in range(steps):
+        x, y = (t.to(ctx.device) for t in batch(step, rank))
+        F.cross_entropy(model(x), y).backward()
+        out["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+        gx, gy = global_batch(step, world)
+        F.cross_entropy(ref(gx), gy).backward()
+        out["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["diffs"].append(max_diff_to(model, ref))
+    model.load_state_dict(full)  # the unsharded model's dict: each thread keeps its rows
+    gathered = full_params(model)
+    out["loaded_diff"] = max((gathered[k] - full[k]).abs().max().item() for k in gathered)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.state_dict()
+    out["warned"] = any("full_state_dict" in str(w.message) for w in caught)
+    return out

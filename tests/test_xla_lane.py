@@ -221,3 +221,13 @@ def test_a_dropped_model_is_freed_on_every_device_thread():
     # every thread's models alive (issue 33).
     for rank, alive in enumerate(shardkit.spawn(_workers().dropped_models, 2, 3, backend="xla")):
         assert alive == [0, 0, 0], (rank, alive)
+
+
+@pytest.mark.timeout(600)  # compiles every graph of two device threads
+def test_torch_clip_grad_norm_and_load_state_dict_see_whole_parameters():
+    runs = shardkit.spawn(_workers().torch_idioms, 2, 2, backend="xla")
+    for run in runs:
+        assert run["norms"] == pytest.approx(run["ref_norms"], rel=1e-4), run
+        assert max(run["diffs"]) <= 1e-4, run["diffs"]
+        assert run["loaded_diff"] == 0.0
+        assert run["warned"]

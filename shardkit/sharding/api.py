@@ -20,6 +20,7 @@ from .groups import GroupMaker, make_groups, shard_group_size
 from .materialize import has_meta, materialize
 from .module_api import STATE_ATTR, sharded_class
 from .param_access import is_sharded_param, remember_params
+from . import state_dict_hooks, torch_norms
 from .param import ShardedParam
 from .plan import ParamPlan, all_param_plans, plan_units
 from .policies import MixedPrecision, ShardConfig, ShardingStrategy
@@ -182,6 +183,8 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
         check_replicas([(sp.fqn, sp.sharded) for sp in state.iter_params()], replica_group,
                        list(model.named_buffers()), ctx.world, be, device)
     remember_params(state)
+    torch_norms.install()  # torch's clip_grad_norm_ now sees whole parameters
+    state_dict_hooks.install(model)
     model.__dict__[STATE_ATTR] = state
     log_sharding(model, state)
     model.__class__ = sharded_class(type(model))

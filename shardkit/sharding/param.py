@@ -89,6 +89,14 @@ class ShardedParam:
             if self.valid_numel:
                 shard[:self.valid_numel].copy_(flat[self.offset:self.offset + self.valid_numel])
 
+    def rows_of(self, full: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """This rank's rows of a full tensor, shaped like the shard with zero padding rows (a new tensor)."""
+        out = torch.zeros(self.shard_shape, dtype=full.dtype, device=device)
+        if self.valid_numel:
+            out.view(-1)[:self.valid_numel].copy_(
+                full.detach().reshape(-1)[self.offset:self.offset + self.valid_numel])
+        return out
+
     def accumulate_grad(self, grad: torch.Tensor) -> None:
         """Add a reduced flat gradient shard to the sharded parameter's .grad (creating it if absent)."""
         grad = grad.view(self.shard_shape)

@@ -48,6 +48,16 @@ def _lookup(param: torch.Tensor) -> tuple["ShardedParam", "ShardState"] | None:
     return None if sp is None or state is None else (sp, state)
 
 
+def grad_owners() -> dict[int, "ShardState"]:
+    """id(.grad) -> engine state, for every live shard that has a gradient now."""
+    owners: dict[int, "ShardState"] = {}
+    for param_ref, _, state_ref in list(_REGISTRY.values()):
+        param, state = param_ref(), state_ref()
+        if param is not None and state is not None and param.grad is not None:
+            owners[id(param.grad)] = state
+    return owners
+
+
 def is_sharded_param(param: torch.Tensor) -> bool:
     """True for a parameter object that shard() made (a live model's shard)."""
     return _lookup(param) is not None
@@ -97,8 +107,4 @@ def local_shard(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         raise ShardkitError(f"local_shard({sp.fqn!r}): the tensor given has shape "
                             f"{tuple(full.shape)}, the parameter's full shape is "
                             f"{tuple(sp.full_shape)}. HINT: pass a tensor of full_shape(param)")
-    out = torch.zeros(sp.shard_shape, dtype=full.dtype, device=param.device)
-    if sp.valid_numel:
-        out.view(-1)[:sp.valid_numel].copy_(
-            full.detach().reshape(-1)[sp.offset:sp.offset + sp.valid_numel])
-    return out
+    return sp.rows_of(full, param.device)

@@ -1,0 +1,97 @@
+"""torch's state_dict()/load_state_dict() on a sharded model: never half a model, silently.
+
+After shard() each parameter is this rank's rows, so `model.state_dict()` holds rows, not the
+model. Three habits would go wrong without a word (issue 40):
+
+- `torch.save(model.state_dict())` on rank 0, the DDP habit, writes half a model. The first
+  such call warns (ShardedStateDictWarning, once per model) naming the whole-model calls, and
+  the dict is tagged in its `_metadata` (which torch.save keeps) with the rank and group size
+  whose rows it holds.
+- Loading that dict into a sharded model would copy rank 0's rows into every rank. A tagged
+  dict loads only into the rank and group size that wrote it; any other is refused, naming both.
+- `model.load_state_dict(full_state_dict)` (a checkpoint of the unsharded model) would fail on
+  shapes. A tensor of the parameter's full shape is cut to this rank's rows (no communication),
+  as shardkit.checkpoint.load_full_state_dict does.
+
+Both hooks are module-level functions registered on the sharded model itself, so they live and
+die with it, and they work whether the model is loaded directly or as a child of another module.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ShardedStateDictWarning, ShardkitError
+from .module_api import get_state
+
+TAG = "shardkit_shard"  # key in the sharded module's state_dict _metadata entry
+
+
+def install(model: nn.Module) -> None:
+    """Register the tagging state_dict hook and the row-cutting load pre-hook on a sharded model."""
+    model._register_state_dict_hook(_tag_rows)
+    model._register_load_state_dict_pre_hook(_cut_to_rows, with_module=True)
+
+
+def _params_by_fqn(module: nn.Module) -> dict[str, Any]:
+    return {fqn: sp for sp in get_state(module).iter_params() for fqn in sp.fqns}
+
+
+def _tag_rows(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    state = get_state(module)
+    local_metadata[TAG] = {"rank": state.shard_group.rank, "group_size": state.shard_group.size}
+    if state.warned_state_dict:
+        return
+    by_fqn = _params_by_fqn(module)
+    # keep_vars=True hands back the live Parameters: shardkit's own lookups by name, not a copy
+    # on its way to a file.
+    detached = [k for k in by_fqn if state_dict.get(prefix + k) is not None
+                and not isinstance(state_dict[prefix + k], nn.Parameter)]
+    if detached and state.shard_group.size > 1:
+        state.warned_state_dict = True
+        warnings.warn(
+            f"state_dict() of a model sharded by shardkit holds rank {state.shard_group.rank}'s "
+            f"rows of each parameter (1 of {state.shard_group.size} shards), not the whole "
+            "model: torch.save of it on one rank is not a full checkpoint. HINT: "
+            "shardkit.checkpoint.full_state_dict(model) on every rank gives rank 0 the whole "
+            "model's dict; shardkit.checkpoint.save(path, model, optimizer) writes a checkpoint "
+            "that loads at any world size", ShardedStateDictWarning, stacklevel=3)
+
+
+def _cut_to_rows(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
+                 strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    if local_metadata.get("assign_to_params_buffers"):
+        raise ShardkitError("load_state_dict(..., assign=True) on a sharded model would replace "
+                            "the shards the engine and the optimizer hold. HINT: load without "
+                            "assign=True (values are copied into the shards)")
+    state = get_state(module)
+    mine = (state.shard_group.rank, state.shard_group.size)
+    tag = local_metadata.get(TAG)
+    for fqn, sp in _params_by_fqn(module).items():
+        value = state_dict.get(prefix + fqn)
+        if not isinstance(value, torch.Tensor):
+            continue  # absent: torch reports missing keys as usual
+        if tag is not None:
+            if (tag.get("rank"), tag.get("group_size")) != mine or value.shape != sp.shard_shape:
+                raise ShardkitError(
+                    f"this state dict holds shard {tag.get('rank')} of {tag.get('group_size')} "
+                    f"(one rank's rows, from state_dict() of a sharded model; {fqn!r} is "
+                    f"{tuple(value.shape)}), but this rank holds shard {mine[0]} of {mine[1]}: "
+                    "loading it would put another rank's rows here. HINT: save the whole model "
+                    "with shardkit.checkpoint.full_state_dict(model) (every rank calls it) and "
+                    "load that dict, or use shardkit.checkpoint.save/load, which reshard across "
+                    "world sizes")
+        elif value.shape == sp.full_shape:
+            state_dict[prefix + fqn] = sp.rows_of(value, value.device)
+        else:
+            raise ShardkitError(
+                f"state_dict[{prefix + fqn!r}] has shape {tuple(value.shape)}, but the parameter "
+                f"is {tuple(sp.full_shape)} (this rank holds rows of shape "
+                f"{tuple(sp.shard_shape)}). HINT: load a state dict of the unsharded model "
+                "(shardkit.checkpoint.full_state_dict gives one), or the dict this same rank "
+                "wrote with state_dict()")
+
