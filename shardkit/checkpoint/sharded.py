@@ -166,14 +166,23 @@ def _name_a_full_disk(directory: str, cause: str) -> str:
     """Say "no space left on device" when the file system is (nearly) full, whatever torch said."""
     if "No space left on device" in cause:
         return cause
-    probe = directory if os.path.isdir(directory) else os.path.dirname(directory)
-    try:
-        free = shutil.disk_usage(probe).free
-    except OSError:
+    free = _free_bytes(directory)
+    short_write = any(words in cause for words in _SHORT_WRITE_WORDS)
+    if not short_write and (free is None or free >= _NEARLY_FULL_BYTES):
         return cause
-    if free >= _NEARLY_FULL_BYTES and not any(words in cause for words in _SHORT_WRITE_WORDS):
-        return cause
-    return f"no space left on device ({free} bytes free on the file system; torch said: {cause})"
+    measured = "" if free is None else f"{free} bytes free on the file system; "
+    return f"no space left on device ({measured}torch said: {cause})"
+
+
+def _free_bytes(directory: str) -> int | None:
+    # Rank 0 removes the temporary directory as soon as its own report is written, possibly
+    # between another rank's look and its measurement: fall back to the parent.
+    for probe in (directory, os.path.dirname(directory)):
+        try:
+            return shutil.disk_usage(probe).free
+        except OSError:
+            continue
+    return None
 
 
 def _root_cause(failure: Any) -> str:
