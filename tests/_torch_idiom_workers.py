@@ -71,8 +71,11 @@ def clip_run(rank: int, world: int, how: str, norm_type: float, strategy: str = 
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         if step == 0:  # what torch's own function makes of this rank's rows alone
-            out["rows_norm"] = float(_ORIGINAL_TOTAL_NORM(
-                [p.grad for p in model.parameters() if p.grad is not None], norm_type))
+            grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+            out["rows_norm"] = float(_ORIGINAL_TOTAL_NORM([g for _, g in grads], norm_type))
+            # ... and of the whole gradients, gathered: an independent answer for this model
+            out["gathered_norm"] = float(_ORIGINAL_TOTAL_NORM(
+                [shardkit.full_tensor(p, g) for p, g in grads], norm_type))
         out["norms"].append(float(clipper(list(model.parameters()), CLIP, norm_type)))
         opt.step()
         opt.zero_grad()
@@ -214,4 +217,27 @@ def other_world_run(rank: int, world: int, tmp: str) -> dict:
         out["rows"] = "loaded"
     except ShardkitError as exc:
         out["rows"] = str(exc)
+    return out
+
+
+def conversion_run(rank: int, world: int) -> dict:
+    """model.to(dtype)/.half()/.cpu()-style conversions after shard(): refused, nothing changed."""
+    ref, model = _pair("FULL_SHARD", None)
+    out: dict = {}
+    for name, convert in (("to_bf16", lambda m: m.to(torch.bfloat16)), ("half", lambda m: m.half()),
+                          ("double", lambda m: m.double()), ("meta", lambda m: m.to("meta"))):
+        try:
+            convert(model)
+            out[name] = "converted"
+        except ShardkitError as exc:
+            out[name] = str(exc)
+    model.to("cpu")  # changes nothing: allowed
+    model.share_memory()
+    out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    x, y = batch(0, rank)
+    F.cross_entropy(model(x), y).backward()
+    gx, gy = global_batch(0, world)
+    F.cross_entropy(ref(gx), gy).backward()
+    out["grad_diff"] = max((shardkit.full_tensor(p, p.grad) - q.grad).abs().max().item()
+                           for p, q in zip(model.parameters(), ref.parameters()))
     return out

@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import shardkit
-from _torch_idiom_workers import (STEPS, clip_run, lifecycle_run, other_world_run,
-                                  state_dict_run)
+from _torch_idiom_workers import (STEPS, clip_run, conversion_run, lifecycle_run,
+                                  other_world_run, state_dict_run)
 
 pytestmark = pytest.mark.slow  # multi-process
 
@@ -24,6 +25,7 @@ TOL = 1e-5
 def _check_clip(results: list[dict], how: str) -> None:
     for r in results:
         if how != "clip_grad_value_":
+            assert math.isclose(r["norms"][0], r["gathered_norm"], rel_tol=1e-5)
             for ours, theirs in zip(r["norms"], r["ref_norms"]):
                 assert math.isclose(ours, theirs, rel_tol=1e-5), (r["norms"], r["ref_norms"])
         assert r["param_diff"] <= 1e-4, r["param_diff"]
@@ -55,6 +57,7 @@ def test_other_norm_orders_match_torch_on_the_unsharded_model(norm_type):
 
 @pytest.mark.parametrize("strategy, world, hybrid, kwargs", [
     ("SHARD_GRAD_OP", 2, None, {}),
+    ("NO_SHARD", 2, None, {}),
     ("FULL_SHARD", 2, None, {"cpu_offload": True}),
     pytest.param("HYBRID_SHARD", 4, 2, {}, marks=pytest.mark.long),
     pytest.param("FULL_SHARD", 4, None, {"reshard_after_forward": 2}, marks=pytest.mark.long)])
@@ -62,6 +65,18 @@ def test_clipping_matches_under_every_strategy(strategy, world, hybrid, kwargs):
     results = shardkit.spawn(clip_run, world, world, "clip_grad_norm_", 2.0, strategy, hybrid,
                              kwargs, threads_per_rank=1)
     _check_clip(results, "clip_grad_norm_")
+
+
+def test_clipping_under_mixed_precision_uses_the_whole_master_gradients():
+    mp = shardkit.MixedPrecision(param_dtype=torch.bfloat16)
+    results = shardkit.spawn(clip_run, 2, 2, "clip_grad_norm_", 2.0, "FULL_SHARD", None,
+                             {"mixed_precision": mp}, threads_per_rank=1)
+    for r in results:
+        # bf16 compute moves the gradients away from the fp32 reference's: the independent
+        # answer is torch's own norm of the gathered (whole, fp32 master) gradients.
+        assert math.isclose(r["norms"][0], r["gathered_norm"], rel_tol=1e-5)
+        assert r["rows_norm"] < 0.99 * r["norms"][0]
+        assert math.isclose(r["norms"][0], r["ref_norms"][0], rel_tol=2e-2)
 
 
 def test_torch_norm_function_is_put_back_at_shutdown():
@@ -91,3 +106,13 @@ def test_state_dict_never_moves_half_a_model_silently(tmp_path, world, other):
     for r in shardkit.spawn(other_world_run, other, other, str(tmp_path), threads_per_rank=1):
         assert r["full_diff"] == 0.0
         assert f"of {world}" in r["rows"] and f"of {other}" in r["rows"] and "HINT" in r["rows"]
+
+
+def test_a_dtype_or_device_change_after_shard_is_refused_and_changes_nothing():
+    for r in shardkit.spawn(conversion_run, 2, 2, threads_per_rank=1):
+        assert "MixedPrecision(param_dtype=torch.bfloat16)" in r["to_bf16"], r["to_bf16"]
+        assert "MixedPrecision(param_dtype=torch.float16)" in r["half"]
+        assert "float64" in r["double"] and "HINT" in r["double"]
+        assert "cpu_offload=True" in r["meta"]
+        assert r["dtypes"] == ["torch.float32"]
+        assert r["grad_diff"] <= 1e-6

@@ -1,13 +1,15 @@
-"""Methods a sharded model gains: no_sync(), unshard(), gradient-sync and prefetch control, a clear
-deepcopy error, and access to its engine state."""
+"""Methods a sharded model gains: no_sync(), unshard(), gradient-sync and prefetch control, clear
+errors for deepcopy and for a dtype or device change (model.to(torch.bfloat16)), and access to
+its engine state."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+import torch
 from torch import nn
 
 from ..errors import ShardkitError
@@ -80,6 +82,33 @@ class ShardedModule:
         """
         state = get_state(self)
         _find_unit(state, unit).backward_prefetch = _find_units(state, prefetch)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """Refuse a dtype or device change of the shards (model.to(torch.bfloat16), .half(), .cpu()).
+
+        torch would convert the shards in place, and the engine, which gathers into buffers of
+        the compute dtype and device chosen at shard(), would go on computing as before: a
+        model.to(torch.bfloat16) made bf16 master weights with fp32 compute, silently. A call
+        that changes nothing (model.to(the same device), share_memory()) goes through.
+        """
+        for sp in get_state(self).iter_params():
+            moved = fn(sp.sharded)
+            if moved.dtype != sp.sharded.dtype:
+                raise ShardkitError(
+                    f"changing the dtype of a sharded model ({sp.sharded.dtype} -> {moved.dtype}, "
+                    "e.g. model.to(dtype), .half(), .bfloat16()) after shardkit.shard() is not "
+                    "supported: the shards are the optimizer's master weights and the engine's "
+                    "compute dtype was fixed at shard(). HINT: for "
+                    f"{moved.dtype} compute with {sp.sharded.dtype} master weights, pass "
+                    f"mixed_precision=shardkit.MixedPrecision(param_dtype={moved.dtype}) to "
+                    f"shard(); for {moved.dtype} master weights, convert the model before shard()")
+            if moved.device != sp.sharded.device:
+                raise ShardkitError(
+                    f"moving a sharded model ({sp.sharded.device} -> {moved.device}, e.g. "
+                    "model.to(device), .cpu()) after shardkit.shard() is not supported: the "
+                    "engine's devices were fixed at shard(). HINT: pass device_id= to shard() "
+                    "for the compute device, or cpu_offload=True to keep the shards on the host")
+        return super()._apply(fn, recurse)  # type: ignore[misc]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """Refuse with a hint: the parameters are this rank's shards, tied to live process groups."""
