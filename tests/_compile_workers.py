@@ -207,6 +207,8 @@ def _options_from(options: dict) -> dict:
     if options.get("mixed_precision") == "bf16":
         options["mixed_precision"] = shardkit.MixedPrecision(param_dtype=torch.bfloat16,
                                                              reduce_dtype=torch.float32)
+    if options.get("mixed_precision") == "buffers":
+        options["mixed_precision"] = shardkit.MixedPrecision(buffer_dtype=torch.float64)
     return options
 
 
@@ -240,3 +242,17 @@ def fsdp2_fullgraph_outcome(rank: int) -> str:
     except Exception as exc:  # noqa: BLE001 - the peer's failure, whatever its type, is the finding
         return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     return "ran"
+
+
+def fullgraph_refusal(rank: int, options: dict) -> str:
+    """What torch.compile(model, fullgraph=True) says of a setting that keeps the eager hooks."""
+    model, block = _tiny_gpt()
+    model = shardkit.shard(model, auto_wrap_policy=transformer_layers({block}),
+                           **_options_from(options))
+    run = torch.compile(model, fullgraph=True, backend="aot_eager")
+    ids = torch.randint(0, 64, (2, 16))
+    try:
+        _lm_loss(run(ids), ids).backward()
+    except Exception as exc:  # noqa: BLE001 - dynamo wraps the error; its text is the finding
+        return str(exc)
+    return "no error"

@@ -85,8 +85,10 @@ def _route_through_post_backward(unit: ShardUnit, args: tuple, kwargs: dict) -> 
 def pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwargs: dict):
     """Gather the unit before its forward: as graph ops where dynamo traces this hook
     (torch.compile(model) or torch.compile(unit): traced.py), else eagerly."""
-    if torch.compiler.is_compiling() and unit.traceable:
-        return traced.pre_forward(unit, module, args, kwargs)
+    if torch.compiler.is_compiling():
+        if unit.traceable:
+            return traced.pre_forward(unit, module, args, kwargs)
+        traced.refuse_in_graph(unit)
     return eager_pre_forward(unit, module, args, kwargs)
 
 

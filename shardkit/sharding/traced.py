@@ -11,8 +11,11 @@ or without ``fullgraph=True``), they take this path instead, which is all graph:
   reduce-scatter (and replica all-reduce), averaged as the eager engine averages, returned as
   gradients of the shards, which autograd accumulates into ``.grad`` of the sharded parameters.
 - Under resharding after forward (FULL_SHARD, HYBRID_SHARD, an int), the gather runs inside a
-  selective checkpoint that marks it MUST_RECOMPUTE: the partitioner gathers again in backward
-  instead of keeping every unit's full weights alive between forward and backward. Where the
+  non-reentrant checkpoint of its own: under compile every op of a checkpointed region is
+  tagged for recompute, so the partitioner gathers again in backward instead of keeping every
+  unit's full weights alive between forward and backward. (No selective-checkpoint context_fn:
+  the region holds only the gather, and torch warns about in-place ops on every compile that
+  passes one.) Where the
   unit keeps them (SHARD_GRAD_OP, NO_SHARD), the gathered tensors are saved for backward.
 
 Both ops run the eager engine's own collective helpers, so numbers and comm_stats are the same;
@@ -25,13 +28,12 @@ tensors on modules around forward), and backends whose capabilities refuse compi
 
 from __future__ import annotations
 
-import functools
 import itertools
 import weakref
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import ShardkitError
 from .casts import cast_inputs
@@ -67,6 +69,13 @@ def traced_refusal(unit: "ShardUnit") -> str:
     if st.config.mixed_precision.buffer_dtype is not None:
         return "MixedPrecision.buffer_dtype swaps the module's buffers around forward"
     return ""
+
+
+def refuse_in_graph(unit: "ShardUnit") -> None:
+    """Raise, while dynamo traces, why this unit's hooks stay eager (a graph break where allowed)."""
+    raise ShardkitError(f"shardkit: unit {unit.name!r} cannot run inside one compiled graph: "
+                        f"{traced_refusal(unit)}. HINT: compile without fullgraph=True (the "
+                        "unit's hooks then run between graphs), or drop that setting")
 
 
 def _unit(key: str) -> "ShardUnit":
@@ -149,23 +158,13 @@ def _remember_key(ctx, inputs: tuple, output: object) -> None:
 gather_unit.register_autograd(_gather_backward, setup_context=_remember_key)
 
 
-def _recompute_gathers(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return (CheckpointPolicy.MUST_RECOMPUTE if op is torch.ops.shardkit.gather_unit.default
-            else CheckpointPolicy.PREFER_SAVE)
-
-
-# A module-level partial: dynamo takes no nested function or lambda as checkpoint's context_fn.
-_RECOMPUTE_GATHERS = functools.partial(create_selective_checkpoint_contexts, _recompute_gathers)
-
-
 def pre_forward(unit: "ShardUnit", module: torch.nn.Module, args: tuple, kwargs: dict):
     """Traced: put the unit's gathered parameters on their modules (and cast inputs)."""
     shards = [p.sharded for p in unit.params]
     if unit.reshard_after_forward is False:
         full = gather_unit(shards, unit.graph_key)
     else:
-        full = checkpoint(gather_unit, shards, unit.graph_key, use_reentrant=False,
-                          context_fn=_RECOMPUTE_GATHERS)
+        full = checkpoint(gather_unit, shards, unit.graph_key, use_reentrant=False)
     for p, tensor in zip(unit.params, full):
         for owner, name in p.owners:
             owner._parameters[name] = tensor
