@@ -84,7 +84,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
 
     step = 0
-    resume = ck.latest(args.ckpt_dir)
+    resume = ck.latest(args.ckpt_dir, verify=True)  # skips a newest one damaged after its save
     if resume is not None:
         step = ck.load(resume, model, opt)["step"]
     if rank == 0:

@@ -15,6 +15,7 @@ from .errors import (BackendNotFoundError, BackendUnavailableError, PeerFailedEr
                      PluginLoadError, ShardkitError, UnsupportedOperationError)
 from .lightning.registration import install as _lightning_hook
 from .logs import configure_from_env as _configure_logging
+from .parent_death import arm_if_launched as _arm_if_launched
 from .checkpoint import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                          IncompleteCheckpointError, StateDictMismatchError)
 # Bound now: each shares its name with the submodule that defines it, and a later import of that
@@ -97,3 +98,4 @@ __all__ = [
 
 _configure_logging()  # SHARDKIT_LOG=debug|info prints the "shardkit" logger to stderr
 _lightning_hook()  # Trainer(strategy="shardkit") once Lightning is imported, which shardkit never does
+_arm_if_launched()  # a rank of `shardkit launch` ends with it, even before init()

@@ -10,7 +10,8 @@ outlives the caller for as long as any rank holds its lifeline pipe (every rank 
 ranks watch the caller's pid instead, from a daemon thread. Only launch paths shardkit owns ask
 for either (spawn's ranks, and ranks whose parent is the `shardkit launch` process): a rank
 started by a shell or a user's own launcher keeps running when that parent exits, as it would
-without shardkit.
+without shardkit. A launched rank asks at `import shardkit` (arm_if_launched), so a launcher
+killed while its ranks still import torch or load data takes them along too.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import os
 import signal
 import sys
 import threading
-
-from .failure.node import pid_alive
 
 PARENT_PID_ENV = "SHARDKIT_PARENT_PID"  # set by `shardkit launch` to its own pid (kept by exec)
 _PR_SET_PDEATHSIG = 1
@@ -44,13 +43,33 @@ def die_with_parent() -> bool:
     return True
 
 
-def launched_by_shardkit() -> bool:
-    """True when this process's parent is the `shardkit launch` process (or the launcher it became)."""
-    return os.environ.get(PARENT_PID_ENV) == str(os.getppid())
+def arm_if_launched() -> None:
+    """In a rank `shardkit launch` started: end with the launcher, even one that is already gone.
+
+    Runs at `import shardkit`, not only at init(): a rank spends seconds importing torch and
+    loading data before init(), and a launcher killed then left it running until its rendezvous
+    timed out (61-92 s, issue 39). A launcher that died before this rank could ask the kernel
+    (its parent is no longer the launcher's pid) ends the rank now, with one line saying why.
+    """
+    launcher = os.environ.get(PARENT_PID_ENV, "")
+    if not launcher.isdigit():
+        return
+    if launcher == str(os.getppid()):
+        die_with_parent()
+        return
+    from .failure.node import pid_alive
+
+    if not pid_alive(int(launcher)):
+        sys.stderr.write(f"shardkit: the `shardkit launch` process (pid {launcher}) that started "
+                         "this rank has ended; this rank ends too\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def end_with_process(pid: int) -> None:
     """End this process (SIGTERM to itself, so it reports where it was) once process `pid` is gone."""
+    from .failure.node import pid_alive
+
     def watch() -> None:
         while pid_alive(pid):
             threading.Event().wait(_WATCH_INTERVAL_S)

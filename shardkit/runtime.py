@@ -15,7 +15,7 @@ from .errors import ShardkitError
 from .handles import Group
 from .launch_env import LaunchEnv, restore_environ
 from .logs import logger
-from .parent_death import die_with_parent, launched_by_shardkit
+from .parent_death import arm_if_launched
 from .selection import get_backend
 from .step_boundary import install_step_hook, remove_step_hook
 
@@ -93,8 +93,7 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
                                 f"initialising {be.name!r}")
         return existing
     timeout = failure.resolve_timeout(timeout, be.capabilities.default_timeout)
-    if launched_by_shardkit():
-        die_with_parent()  # `shardkit launch` killed, even by SIGKILL: no orphaned ranks
+    arm_if_launched()  # `shardkit launch` killed, even by SIGKILL: no orphaned ranks
     env = be.launch_env()
     device = be.normalize_device(device_id, env.local_rank)
     be.set_device(device)

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
+import pytest
+
+import shardkit
 import shardkit.checkpoint as ck
 from shardkit.checkpoint import manifest as mf
+
+from _agreement_workers import resume_verified, save_three
 
 
 def fake_checkpoint(path, step=None, created="2026-11-26T00:00:00+00:00", complete=True):
@@ -47,3 +53,36 @@ def test_without_steps_the_newest_save_wins(tmp_path):
     fake_checkpoint(tmp_path / "b", created="2026-11-26T10:00:00+00:00")
     fake_checkpoint(tmp_path / "a", created="2026-11-26T11:00:00+00:00")
     assert ck.latest(tmp_path) == str(tmp_path / "a")
+
+
+def _flip_a_byte(checkpoint) -> str:
+    """Corrupt one byte in the middle of the checkpoint's largest data file; return its name."""
+    manifest = mf.read_manifest(str(checkpoint))
+    rel = max(manifest["files"], key=lambda r: manifest["files"][r]["size"])
+    with open(checkpoint / rel, "r+b") as f:
+        f.seek(manifest["files"][rel]["size"] // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return rel
+
+
+@pytest.mark.slow
+def test_verified_latest_resumes_past_a_damaged_newest_checkpoint(tmp_path, caplog):
+    shardkit.spawn(save_three, 2, str(tmp_path), threads_per_rank=1)
+    bad = _flip_a_byte(tmp_path / "step_3")
+    assert ck.latest(tmp_path) == str(tmp_path / "step_3")  # manifests only: not noticed
+    with caplog.at_level(logging.WARNING, logger="shardkit"):
+        assert ck.latest(tmp_path, verify=True) == str(tmp_path / "step_2")  # no job: local
+    assert f"skipping {tmp_path / 'step_3'}" in caplog.text and bad in caplog.text
+    # In a running job every rank hashes its share of the files and all agree.
+    for r in shardkit.spawn(resume_verified, 2, str(tmp_path), threads_per_rank=1):
+        assert r == {"chosen": "step_2", "step": 2}
+    # Damaged everywhere (a truncated file in step_2 too, one in step_1): no checkpoint to resume.
+    for name in ("step_2", "step_1"):
+        manifest = mf.read_manifest(str(tmp_path / name))
+        rel = sorted(manifest["files"])[0]
+        os.truncate(tmp_path / name / rel, 1)
+    assert ck.latest(tmp_path, verify=True) is None
+    for r in shardkit.spawn(resume_verified, 2, str(tmp_path), threads_per_rank=1):
+        assert r == {"chosen": None, "step": None}

@@ -37,6 +37,17 @@ SPAWNING = RANK_LOOP + textwrap.dedent("""
         shardkit.spawn(train, 2, sys.argv[1], backend="cpu", threads_per_rank=1)
     """)
 
+# A rank killed with its launcher while it still loads (before shardkit.init()): the pid file
+# is written before `import shardkit`, so the launcher may die before the import or after it.
+LOADING = textwrap.dedent("""
+    import os, sys, time
+    with open(os.path.join(sys.argv[1], "rank" + os.environ["LOCAL_RANK"]), "w") as f:
+        f.write(str(os.getpid()))
+    import shardkit, torch
+    time.sleep(600)  # loading a dataset for ever: only the launcher's death can end this
+    shardkit.init()
+    """)
+
 LAUNCHED = RANK_LOOP + textwrap.dedent("""
     if __name__ == "__main__":
         import sys
@@ -70,11 +81,13 @@ def _env() -> dict[str, str]:
 @pytest.mark.parametrize("how,sig", [pytest.param("spawn", signal.SIGTERM, marks=pytest.mark.long),
                                      ("spawn", signal.SIGKILL),
                                      pytest.param("launch", signal.SIGKILL,
-                                                  marks=pytest.mark.long)],
-                         ids=["spawn-SIGTERM", "spawn-SIGKILL", "launch-SIGKILL"])
+                                                  marks=pytest.mark.long),
+                                     ("launch-before-init", signal.SIGKILL)],
+                         ids=["spawn-SIGTERM", "spawn-SIGKILL", "launch-SIGKILL",
+                              "launch-SIGKILL-before-init"])
 def test_ranks_end_when_their_launching_process_is_signalled(tmp_path, how, sig):
     script = tmp_path / "train.py"
-    script.write_text(SPAWNING if how == "spawn" else LAUNCHED)
+    script.write_text({"spawn": SPAWNING, "launch": LAUNCHED, "launch-before-init": LOADING}[how])
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     command = ([sys.executable, str(script), str(pid_dir)] if how == "spawn" else
@@ -85,7 +98,7 @@ def test_ranks_end_when_their_launching_process_is_signalled(tmp_path, how, sig)
                                   stderr=subprocess.STDOUT)
     try:
         ranks = _rank_pids(pid_dir, 120)
-        time.sleep(1.0)
+        time.sleep(0.0 if how == "launch-before-init" else 1.0)
         parent.send_signal(sig)
         parent.wait(timeout=60)
         signalled = time.time()

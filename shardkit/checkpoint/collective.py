@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from typing import Any, Callable, Sequence
 
@@ -78,3 +80,42 @@ def broadcast_text(ctx: DistContext, text: str) -> str:
     buf = buf.to(ctx.device)
     ctx.backend.broadcast(buf, 0, ctx.world)
     return bytes(buf.cpu().tolist()).decode(errors="replace")
+
+
+def agree(ctx: DistContext, what: str, values: dict[str, Any]) -> None:
+    """Raise on every rank, naming each rank's values, when ranks called `what` with different arguments.
+
+    One small all-gather of a digest; the values themselves travel only when they differ.
+    """
+    text = json.dumps({k: repr(v) for k, v in values.items()}, sort_keys=True)
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big")
+    everyone = torch.empty(ctx.world_size, dtype=torch.int64, device=ctx.device)
+    ctx.backend.all_gather_into_tensor(
+        everyone, torch.tensor([digest], dtype=torch.int64, device=ctx.device), ctx.world).wait()
+    if len(set(everyone.tolist())) == 1:
+        return
+    per_rank = [json.loads(t) for t in gather_texts(ctx, text)]
+    keys = [k for k in values if len({r.get(k) for r in per_rank}) > 1]
+    shown = "; ".join(f"{key}: " + ", ".join(f"rank {r} {v.get(key)}" for r, v in enumerate(per_rank))
+                      for key in keys)
+    raise CheckpointError(
+        f"{what} was called with different arguments on different ranks ({shown}); every rank must "
+        "pass the same ones, and nothing was written or read. HINT: derive the path from the step "
+        "(f'ckpt/step-{step}'), not from the time or anything else that differs between ranks, or "
+        "compute it on rank 0 and broadcast it")
+
+
+def gather_texts(ctx: DistContext, text: str) -> list[str]:
+    """Every rank's `text`, in rank order, on every rank (two all-gathers: lengths, then bytes)."""
+    data = text.encode()
+    sizes = torch.empty(ctx.world_size, dtype=torch.int64, device=ctx.device)
+    ctx.backend.all_gather_into_tensor(
+        sizes, torch.tensor([len(data)], dtype=torch.int64, device=ctx.device), ctx.world).wait()
+    width = max(int(sizes.max().item()), 1)
+    mine = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = torch.empty(ctx.world_size * width, dtype=torch.uint8, device=ctx.device)
+    ctx.backend.all_gather_into_tensor(everyone, mine.to(ctx.device), ctx.world).wait()
+    rows = everyone.cpu().view(ctx.world_size, width).tolist()
+    return [bytes(row[:n]).decode(errors="replace") for row, n in zip(rows, sizes.tolist())]

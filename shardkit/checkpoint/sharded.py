@@ -92,6 +92,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     bg.wait_pending()  # one save at a time per process, in the order they were asked for
     ctx = collective.context()
     path = os.path.abspath(os.fspath(path))
+    collective.agree(ctx, "shardkit.checkpoint.save", {
+        "path": path, "optimizer": optimizer_class_name(optimizer) if optimizer else None,
+        "step": step, "background": background})
     entries = model_entries(model)
     shards, small, groups = _optimizer_state(model, optimizer) if optimizer else ({}, {}, None)
     state_blob = collective.on_rank0(ctx, "serialising `extra`", lambda: _check_weights_only(
@@ -268,6 +271,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
 
     wait_pending()  # a checkpoint this process is still writing is read once complete
     ctx = collective.context()
+    collective.agree(ctx, "shardkit.checkpoint.load", {
+        "path": os.path.abspath(os.fspath(path)),
+        "optimizer": optimizer_class_name(optimizer) if optimizer else None,
+        "verify": verify, "strict": strict})
     directory = mf.resolve(os.fspath(path))
     manifest = mf.read_manifest(directory)
     if verify:
