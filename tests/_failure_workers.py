@@ -254,3 +254,16 @@ def watchdog_state(rank: int) -> dict:
     out["hook_restored"] = sys.excepthook is not failure._excepthook
     return out
 
+
+
+def finish_early(rank: int, world: int) -> str:
+    """Rank 0 trains 2 steps and leaves (shutdown); the others expect 6 and meet an absent peer."""
+    model = shardkit.shard(torch.nn.Linear(16, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2 if rank == 0 else 6):
+        model(torch.ones(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.3)
+    shardkit.shutdown()
+    return "done"

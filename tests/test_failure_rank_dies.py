@@ -204,3 +204,18 @@ def test_ranks_finishing_at_different_times_are_not_failures():
 
     out = shardkit.spawn(finish_unevenly, 3, 3, 7.0, threads_per_rank=1, timeout=3)
     assert out == [f"rank {r} done, sum 3" for r in range(3)]
+
+
+@pytest.mark.slow
+def test_a_rank_that_finished_early_is_named_as_finished_not_dead(capfd):
+    # Before (issue 39): "rank 0 is unreachable ... most likely died", torch's C++ backtrace in
+    # the message, and a C++ warning with a backtrace for every later store call.
+    from _failure_workers import finish_early
+
+    with pytest.raises(SpawnError):
+        shardkit.spawn(finish_early, 2, 2, threads_per_rank=1, timeout=5)
+    err = capfd.readouterr().err
+    assert "rank 0 finished: it shut down cleanly" in err, err[-3000:]
+    assert "run the same number of steps on every rank" in err
+    assert "most likely died" not in err and "frame #" not in err.split("rank 0 finished")[1]
+    assert err.count("TCPStore.cpp") <= 2, err[-3000:]

@@ -29,6 +29,8 @@ PEER_FAILED_EXIT = 75
 _DONE = -(1 << 40)  # added to a heartbeat counter when its rank shuts down cleanly
 _DIED = "died (its process is gone: killed, or it exited without reporting an error)"
 _PREFIX = "shardkit/failure/"
+_FINISHED = ("finished: it shut down cleanly (shardkit.shutdown() or the end of its script) while "
+             "this rank still expected it in a collective")
 
 
 @dataclass(frozen=True)
@@ -103,12 +105,19 @@ class Watchdog:
         return 0 in self._done and not self.agent_hosts_store
 
     def _store_lost(self, exc: BaseException) -> Failure:
+        # Every later store call would fail too, each printing torch's C++ warning with a
+        # backtrace: this rank no longer touches the store.
+        self._detached = True
         dead = [r for r in self._dead_local_peers(cached_only=True) if r not in self._done]
         if dead:
             return Failure(dead[0], _DIED)
+        if self.hosts_store_rank_done():
+            return Failure(0, _FINISHED)  # and took the store with it, as its process ended
         # Under shardkit.spawn and plain env:// launches rank 0 hosts the store; under torchrun
-        # its agent does, so a lost store there means the launcher itself went away.
-        return Failure(0, f"is unreachable: the job's store stopped answering ({exc}); rank 0 "
+        # its agent does, so a lost store there means the launcher itself went away. torch's
+        # message carries a C++ backtrace after its first line: the first line says it.
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return Failure(0, f"is unreachable: the job's store stopped answering ({said}); rank 0 "
                           "hosts it unless a launcher agent does, so rank 0 most likely died")
 
     def finish(self) -> None:
@@ -231,7 +240,11 @@ class Watchdog:
     def survivor_message(self, failures: list[Failure]) -> str:
         """The error a rank left behind by `failures` prints."""
         culprits = "; ".join(str(f) for f in failures)
-        if all(f.cause == _DIED for f in failures):
+        if all(f.cause == _FINISHED for f in failures):
+            cause = ("every rank must issue the same collectives: run the same number of steps "
+                     "on every rank (equal batches per rank, e.g. DistributedSampler with "
+                     "drop_last=True) and let each finish its loop before shutdown()")
+        elif all(f.cause == _DIED for f in failures):
             # Nothing was posted: a kill, an OOM kill, or a crash, which the collective library
             # itself causes when ranks issue collectives that do not match (gloo aborts).
             cause = ("look at the failed rank's own output (killed, out of memory, or crashed; a "
@@ -271,7 +284,7 @@ class Watchdog:
     def linger(self, failures: list[Failure]) -> None:
         """As the store's host, stay until every other survivor has reported and every rank that
         posted its own failure has seen the reports (bounded)."""
-        if not self.hosts_store:
+        if not self.hosts_store or self._detached:
             return
         failed = {f.rank for f in failures if not f.posted}
         deadline = time.monotonic() + min(self.timeout, 5.0)
@@ -292,7 +305,7 @@ class Watchdog:
         still reporting must not be SIGTERMed by the launcher into a second, confusing report.
         """
         posters = [f.rank for f in failures if f.posted]
-        if not posters:
+        if not posters or self._detached:
             return
         local = self._local_pids or {}
         deadline = time.monotonic() + min(self.timeout, 5.0)
@@ -323,6 +336,8 @@ class Watchdog:
 
     def acknowledge(self) -> None:
         """Count this rank as having reported a peer's failure (and not as a failure itself)."""
+        if self._detached:
+            return
         try:
             self.store.add(f"{_PREFIX}hb/{self.rank}", _DONE)
             self.store.add(f"{_PREFIX}acks", 1)
