@@ -142,6 +142,10 @@ def shutdown() -> None:
         # A job's last save(background=True) completes before the job ends (a rank that
         # multiprocessing started never runs atexit handlers).
         writer.wait_pending()
+    elif writer is not None:
+        # Leaving with an exception (`finally: shutdown()`): the peers this save needs may be
+        # gone, and waiting took the write timeout (issue 39). The previous checkpoint stays.
+        writer.abandon_pending(f"shutdown() during {type(in_flight).__name__}")
     if ctx is not None:
         if in_flight is not None:
             # Once the watchdog is stopped below, this rank's failure could no longer be told

@@ -59,3 +59,17 @@ def resume_verified(rank: int, root: str) -> dict:
     chosen = shardkit.checkpoint.latest(root, verify=True)
     step = shardkit.checkpoint.load(chosen, model, opt)["step"] if chosen else None
     return {"chosen": os.path.basename(chosen) if chosen else None, "step": step}
+
+
+def bad_write_timeout(rank: int, root: str) -> dict:
+    """SHARDKIT_CHECKPOINT_TIMEOUT=abc: a background save is refused up front; a sync one works."""
+    with shardkit.seeded(0):
+        model = shardkit.shard(torch.nn.Linear(8, 8))
+    out = {"sync": os.path.basename(shardkit.checkpoint.save(os.path.join(root, "sync"), model))}
+    try:
+        shardkit.checkpoint.save(os.path.join(root, "bg"), model, background=True).wait()
+        out["background"] = "saved"
+    except shardkit.ShardkitError as exc:
+        out["background"] = str(exc)
+    out["entries"] = sorted(os.listdir(root))
+    return out

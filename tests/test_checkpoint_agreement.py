@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import shardkit
-from _agreement_workers import different_paths
+from _agreement_workers import bad_write_timeout, different_paths
 
 pytestmark = pytest.mark.slow  # multi-process
 
@@ -28,3 +28,23 @@ def test_ranks_with_different_paths_are_refused_naming_each(tmp_path, background
         assert "same'" in r["load"] and "other'" in r["load"]
         assert "optimizer: rank 0 'torch.optim.adamw.AdamW', rank 1 None" in r["load_optimizer"]
         assert r["entries"] == ["same"]  # no run-* directory, no temporary one left
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "nan"])
+def test_a_bad_checkpoint_timeout_is_refused_with_the_range(monkeypatch, value):
+    from shardkit.checkpoint import background
+
+    monkeypatch.setenv("SHARDKIT_CHECKPOINT_TIMEOUT", value)
+    with pytest.raises(shardkit.ShardkitError, match="from 1 to 2592000") as info:
+        background.write_timeout_s()
+    assert repr(value) in str(info.value) and "HINT" in str(info.value)
+    monkeypatch.setenv("SHARDKIT_CHECKPOINT_TIMEOUT", "90")
+    assert background.write_timeout_s() == 90.0
+
+
+def test_only_background_saves_read_the_checkpoint_timeout(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDKIT_CHECKPOINT_TIMEOUT", "abc")
+    (r,) = shardkit.spawn(bad_write_timeout, 1, str(tmp_path), threads_per_rank=1)
+    assert r["sync"] == "sync"
+    assert "SHARDKIT_CHECKPOINT_TIMEOUT must be a number of seconds" in r["background"]
+    assert r["entries"] == ["sync"]  # nothing written for the refused one

@@ -18,6 +18,7 @@ import atexit
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -30,7 +31,27 @@ DONE_MARK = ".shardkit_rank{rank}.done"
 FAILED_SUFFIX = ".failed"
 _POLL_S = 0.02
 # How long rank 0 waits for the other ranks' shard files: a rank that died mid-save never writes.
-WRITE_TIMEOUT_S = float(os.environ.get("SHARDKIT_CHECKPOINT_TIMEOUT", "1800"))
+TIMEOUT_ENV = "SHARDKIT_CHECKPOINT_TIMEOUT"
+DEFAULT_WRITE_TIMEOUT_S = 1800.0
+_MAX_WRITE_TIMEOUT_S = 30 * 24 * 3600.0
+
+
+def write_timeout_s() -> float:
+    """SHARDKIT_CHECKPOINT_TIMEOUT in seconds (default 1800), refused with the valid range if bad."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_WRITE_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 1.0 <= seconds <= _MAX_WRITE_TIMEOUT_S:
+        raise CheckpointError(
+            f"{TIMEOUT_ENV} must be a number of seconds from 1 to {_MAX_WRITE_TIMEOUT_S:.0f} (30 "
+            f"days): how long rank 0 waits for the other ranks' shard files of a background "
+            f"save; got {raw!r}. HINT: unset it for the default ({DEFAULT_WRITE_TIMEOUT_S:.0f} s), "
+            f"or e.g. {TIMEOUT_ENV}=3600")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -46,6 +67,7 @@ class SaveJob:
     state_file: str
     state_blob: bytes  # rank 0's serialised `extra` and optimizer groups (empty elsewhere)
     info: dict
+    timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # write_timeout_s() when save() was called
 
 
 class BackgroundSave:
@@ -75,6 +97,14 @@ class BackgroundSave:
         if self._error is not None:
             raise self._error
         return self.path
+
+    def abandon(self, reason: str) -> None:
+        """Give the save up without waiting: mark it failed, so every rank's writer stops waiting
+        for it and rank 0 removes its temporary directory; the previous checkpoint stays."""
+        job = self._job
+        if job is not None and not self._finished.is_set():
+            _report_failure(job, f"rank {job.rank} left the job before the save completed "
+                                 f"({reason})")
 
     def _run(self) -> None:
         job = self._job
@@ -126,9 +156,24 @@ def wait_pending() -> None:
         handle.wait()
 
 
+def abandon_pending(reason: str) -> None:
+    """Give up every background save this process started, without waiting (a rank that ends
+    after a failure: its peers may be dead, and waiting for them took the write timeout)."""
+    with _lock:
+        handles = list(_pending)
+        _pending.clear()
+    for handle in handles:
+        handle.abandon(reason)
+
+
 @atexit.register
 def _finish_at_exit() -> None:
-    # A script that ends right after save(background=True) still gets its checkpoint.
+    # A script that ends right after save(background=True) still gets its checkpoint; one that
+    # ends with an uncaught exception (CPython sets sys.last_value before atexit) must not wait
+    # for peers that may be gone.
+    if getattr(sys, "last_value", None) is not None:
+        abandon_pending(f"it ended with {type(sys.last_value).__name__}")
+        return
     for handle in list(_pending):
         try:
             handle.wait()
@@ -151,7 +196,7 @@ def _write_part(job: SaveJob) -> None:
 
 def _finish(job: SaveJob) -> None:
     """Rank 0: once every rank's marker is there, write metadata, state and manifest, then rename."""
-    deadline = time.monotonic() + WRITE_TIMEOUT_S
+    deadline = time.monotonic() + job.timeout_s
     markers = [os.path.join(job.tmp, DONE_MARK.format(rank=r)) for r in range(job.world_size)]
     while not all(os.path.exists(m) for m in markers):
         if os.path.exists(job.tmp + FAILED_SUFFIX):
@@ -160,7 +205,7 @@ def _finish(job: SaveJob) -> None:
         if time.monotonic() > deadline:
             missing = [r for r, m in enumerate(markers) if not os.path.exists(m)]
             _report_failure(job, f"rank(s) {missing} did not finish writing their shards within "
-                                 f"{WRITE_TIMEOUT_S:.0f} s (SHARDKIT_CHECKPOINT_TIMEOUT)")
+                                 f"{job.timeout_s:.0f} s ({TIMEOUT_ENV})")
             raise CheckpointError(_failure_text(job))
         time.sleep(_POLL_S)
     try:
@@ -183,13 +228,13 @@ def _finish(job: SaveJob) -> None:
 
 def _await_outcome(job: SaveJob) -> None:
     """Return once the manifest carrying this save's id is in place; raise on a reported failure."""
-    deadline = time.monotonic() + WRITE_TIMEOUT_S + 60
+    deadline = time.monotonic() + job.timeout_s + 60
     while not _is_complete(job):
         if os.path.exists(job.tmp + FAILED_SUFFIX):
             raise CheckpointError(_failure_text(job))
         if time.monotonic() > deadline:
             raise CheckpointError(f"the background save to {job.path} did not complete within "
-                                  f"{WRITE_TIMEOUT_S:.0f} s; rank 0 may have died. The previous "
+                                  f"{job.timeout_s:.0f} s; rank 0 may have died. The previous "
                                   "checkpoint there, if any, is untouched.")
         time.sleep(_POLL_S)
 

@@ -90,6 +90,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     from . import background as bg
 
     bg.wait_pending()  # one save at a time per process, in the order they were asked for
+    timeout_s = bg.write_timeout_s() if background else bg.DEFAULT_WRITE_TIMEOUT_S
     ctx = collective.context()
     path = os.path.abspath(os.fspath(path))
     collective.agree(ctx, "shardkit.checkpoint.save", {
@@ -123,7 +124,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         hosted = {k: FlatChunk(c, chunks[k].offset, chunks[k].full_numel)
                   for k, c in zip(keys, copies)}
         return bg.start(bg.SaveJob(path, tmp, ctx.rank, ctx.world_size, save_id, hosted,
-                                   STATE_FILE, state_blob or b"", info))
+                                   STATE_FILE, state_blob or b"", info, timeout_s))
     _write_shards(ctx, path, tmp, chunks)
     collective.on_rank0(ctx, f"writing {STATE_FILE}", lambda: mf.write_file_synced(
         os.path.join(tmp, STATE_FILE), state_blob))

@@ -13,7 +13,8 @@ from typing import Any
 from ..env_flags import env_flag
 from ..errors import PeerFailedError, ShardkitError
 from . import launcher_record, where
-from .watchdog import PEER_FAILED_EXIT, Failure, Watchdog, as_seconds, default_store_client, emit
+from .watchdog import (PEER_FAILED_EXIT, Failure, Watchdog, abandon_background_saves, as_seconds,
+                       default_store_client, emit)
 
 __all__ = ["DEFAULT_ACCELERATOR_TIMEOUT", "DEFAULT_TIMEOUT", "PEER_FAILED_EXIT", "Failure", "TIMEOUT_ENV",
            "WATCHDOG_ENV", "Watchdog", "interactive", "on_exception", "resolve_timeout", "start",
@@ -154,6 +155,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         emit(f"shardkit: rank {wd.rank} was terminated (SIGTERM; {why}); it was in "
              f"{where.describe()}")
         wd.report_written.set()
+    abandon_background_saves("it was terminated")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)  # end by the signal, as without this handler
 
@@ -254,6 +256,7 @@ def _exit_as_survivor(hook: Any, tp: type, value: BaseException, tb: Any) -> Non
     this rank is not the cause."""
     if debugging():
         hook(tp, value, tb)
+    abandon_background_saves("a peer failed")  # before the exit functions, which would wait
     atexit._run_exitfuncs()  # os._exit skips them, and the user's may flush logs or files
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -303,6 +306,8 @@ def _excepthook(tp: type, value: BaseException, tb: Any) -> None:
         # Report first: the one line names the cause, and the collective's own traceback is
         # mostly C++ frames that would bury it.
         replacement = on_exception(value)
+        if isinstance(replacement, PeerFailedError) and replacement.reported:
+            _exit_as_survivor(hook, tp, value, tb)  # a peer failed: this rank's status says so
         if not quiet(value, replacement):
             hook(tp, value, tb)
         return

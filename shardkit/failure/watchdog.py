@@ -33,6 +33,14 @@ _FINISHED = ("finished: it shut down cleanly (shardkit.shutdown() or the end of 
              "this rank still expected it in a collective")
 
 
+def abandon_background_saves(reason: str) -> None:
+    """Give up this process's background checkpoint saves: it is ending after a failure, and
+    waiting for them would wait for peers that may be dead (the write timeout: 30 minutes)."""
+    writer = sys.modules.get("shardkit.checkpoint.background")
+    if writer is not None:
+        writer.abandon_pending(reason)
+
+
 @dataclass(frozen=True)
 class Failure:
     """One failed rank and what is known about why."""
@@ -146,6 +154,9 @@ class Watchdog:
         store = self.store
         # Pids first: a dead store host must not hide which local rank is gone.
         gone = [r for r in self._dead_local_peers(cached_only=True) if r not in self._done]
+        if 0 in gone and not self.agent_hosts_store:
+            self._detached = True  # the store died with its host: calls would only fail, loudly
+            return [Failure(r, _DIED) for r in gone]
         try:
             store.add(f"{_PREFIX}hb/{self.rank}", 1)
             failures = self.posted()
@@ -274,6 +285,7 @@ class Watchdog:
             # The user's process: the blocked call fails by the timeout and raises there.
             self._stop.set()
             return
+        abandon_background_saves("a peer failed")
         for stream in (sys.stdout, sys.stderr):  # os._exit drops what is still buffered
             try:
                 stream.flush()
