@@ -14,7 +14,7 @@ import pytest
 
 import shardkit
 
-from _disk_full_workers import save_onto_a_full_disk
+from _disk_full_workers import background_save_onto_a_full_disk, save_onto_a_full_disk
 
 
 @pytest.fixture
@@ -48,3 +48,18 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_survives(tiny_filesyst
         assert rank_out["intact"]
         assert rank_out["left_over"] == []  # the temporary directory was removed
     assert not os.path.exists(filler)
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_background_save_is_named_and_cleaned_up(tiny_filesystem):
+    # Before (issue 39): "failed: ." (the report itself found no space) and, when another rank
+    # reported first, rank 0 left the partial directory filling the disk.
+    filler = str(tiny_filesystem / "filler")
+    out = shardkit.spawn(background_save_onto_a_full_disk, 2, str(tiny_filesystem), filler,
+                         backend="cpu", threads_per_rank=1)
+    for rank_out in out:
+        error = rank_out["error"]
+        assert error is not None and "background save" in error, error
+        assert "no space left on device" in error.lower(), error
+        assert rank_out["left_over"] == []  # the temporary directory was removed
+        assert rank_out["intact"]

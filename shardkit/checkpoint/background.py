@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from . import manifest as mf
 from .dcp_io import FlatChunk
+from .disk_full import free_bytes, name_a_full_disk
 from .errors import CheckpointError
 from .host_io import write_metadata, write_rank
 
@@ -190,7 +191,7 @@ def _write_part(job: SaveJob) -> None:
         mf.write_json_atomic(os.path.join(job.tmp, DONE_MARK.format(rank=job.rank)), digests)
     except Exception as exc:
         _report_failure(job, f"rank {job.rank} could not write its shards into {job.tmp}: "
-                             f"{type(exc).__name__}: {exc}")
+                             + name_a_full_disk(job.tmp, f"{type(exc).__name__}: {exc}"))
         raise CheckpointError(_failure_text(job)) from exc
 
 
@@ -253,23 +254,37 @@ def _is_complete(job: SaveJob) -> bool:
 
 
 def _report_failure(job: SaveJob, text: str) -> None:
+    if job.rank == 0:
+        # Never a checkpoint: give the space back first, whichever rank reported first (on a
+        # full disk the report itself needs that space).
+        shutil.rmtree(job.tmp, ignore_errors=True)
     try:
         with open(job.tmp + FAILED_SUFFIX, "x") as f:
             f.write(text)
+        return
     except FileExistsError:
-        return  # the first failure is the one to report
+        pass  # the first failure is the one to report ...
+    except OSError:
+        return
+    try:  # ... unless the disk was too full to hold its words: rank 0 has just made room
+        if job.rank == 0 and os.path.getsize(job.tmp + FAILED_SUFFIX) == 0:
+            with open(job.tmp + FAILED_SUFFIX, "w") as f:
+                f.write(text)
     except OSError:
         pass
-    if job.rank == 0:
-        shutil.rmtree(job.tmp, ignore_errors=True)  # never a checkpoint; give the space back
 
 
 def _failure_text(job: SaveJob) -> str:
     try:
         with open(job.tmp + FAILED_SUFFIX) as f:
-            cause = f.read()
+            cause = f.read().strip()
     except OSError:
-        cause = "the cause was not recorded"
+        cause = ""
+    if not cause:  # the report could not be written: most likely the disk is full
+        free = free_bytes(job.tmp)
+        cause = (f"no space left on device ({free} bytes free on the file system; the failing "
+                 "rank's own report could not be written)" if free is not None and free < (1 << 20)
+                 else "a rank failed and its report could not be written")
     return (f"the background save to {job.path} failed: {cause}. Any previous checkpoint at "
             f"{job.path} is untouched. HINT: free space on that file system or save somewhere "
             "writable.")

@@ -14,6 +14,7 @@ from .. import __version__
 from ..sharding.views import ShardView, sharding_info
 from . import collective, manifest as mf
 from .dcp_io import FlatChunk, load_chunks, save_chunks
+from .disk_full import name_a_full_disk
 from .entries import (MODEL_PREFIX, Entry, dtype_from_name, dtype_name, is_shard_state,
                       model_entries, optim_key, optimizer_views)
 from .errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError
@@ -149,7 +150,7 @@ def _write_shards(ctx, path: str, tmp: str, chunks: dict[str, FlatChunk]) -> Non
             save_chunks_from_host(tmp, chunks, ctx)
     except (CheckpointException, OSError) as exc:
         failures = getattr(exc, "failures", None) or {ctx.rank: exc}
-        causes = "; ".join(f"rank {r}: {_name_a_full_disk(tmp, _root_cause(e))}"
+        causes = "; ".join(f"rank {r}: {name_a_full_disk(tmp, _root_cause(e))}"
                            for r, e in sorted(failures.items()))
         if ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back; it never was a checkpoint
@@ -157,36 +158,6 @@ def _write_shards(ctx, path: str, tmp: str, chunks: dict[str, FlatChunk]) -> Non
             f"saving {path} failed while writing shard files into {tmp} ({causes}). Any previous "
             f"checkpoint at {path} is untouched: a save only replaces it once complete. HINT: "
             "free space on that file system or save somewhere writable") from exc
-
-
-# torch's zip writer reports a short write (a full disk) as "unexpected pos N vs M" or "file
-# write failed", and DCP passes that on. Those words, or this little free space left, mean the
-# disk filled up (free space is read after the fact: another rank may already have freed some).
-_NEARLY_FULL_BYTES = 1 << 20
-_SHORT_WRITE_WORDS = ("unexpected pos", "file write failed")
-
-
-def _name_a_full_disk(directory: str, cause: str) -> str:
-    """Say "no space left on device" when the file system is (nearly) full, whatever torch said."""
-    if "No space left on device" in cause:
-        return cause
-    free = _free_bytes(directory)
-    short_write = any(words in cause for words in _SHORT_WRITE_WORDS)
-    if not short_write and (free is None or free >= _NEARLY_FULL_BYTES):
-        return cause
-    measured = "" if free is None else f"{free} bytes free on the file system; "
-    return f"no space left on device ({measured}torch said: {cause})"
-
-
-def _free_bytes(directory: str) -> int | None:
-    # Rank 0 removes the temporary directory as soon as its own report is written, possibly
-    # between another rank's look and its measurement: fall back to the parent.
-    for probe in (directory, os.path.dirname(directory)):
-        try:
-            return shutil.disk_usage(probe).free
-        except OSError:
-            continue
-    return None
 
 
 def _root_cause(failure: Any) -> str:
