@@ -46,7 +46,8 @@ HELD: tuple[Held, ...] = (
     Held(("shardkit.runtime:_process_context", "shardkit.runtime:_thread_local",
           "shardkit.runtime:_live_contexts"),
          "the job this process (or XLA device thread) joined: backend, world group, device; how "
-         "many contexts are live (the job-wide hooks go with the last)",
+         "many contexts are live (the job-wide hooks go with the last); an atexit entry that "
+         "shuts the job down at a normal exit if the script did not",
          "torch's default process group is process-wide; device threads keep their own",
          "init() (or the first shard()/replicate() without one)",
          "shutdown()", "shardkit.runtime:reset_context"),

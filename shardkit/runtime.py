@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import sys
 import threading
@@ -107,7 +108,25 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
     _set_current(ctx)
     _count_contexts(+1)
     failure.start(world.rank, world.size, timeout, be.capabilities.ranks_share_process, enabled)
+    if threading.current_thread() is threading.main_thread():
+        atexit.unregister(_shutdown_at_exit)  # one entry, however many init()s
+        atexit.register(_shutdown_at_exit)
     return ctx
+
+
+def _shutdown_at_exit() -> None:
+    # A script that never calls shutdown() (Lightning's Trainer, a forgotten call) leaves torch's
+    # process groups to interpreter teardown, where gloo's worker threads drop finished
+    # collectives whose tensors refer to Python objects: a rank that finished its work could
+    # abort with "terminate called without an active exception" (SIGABRT), and its launcher
+    # report the job failed (issue 39). Destroy them while the interpreter is whole. A process
+    # ending with an uncaught exception is left to the failure paths (a peer may be gone).
+    if getattr(sys, "last_value", None) is not None or _process_context is None:
+        return
+    try:
+        shutdown()
+    except Exception as exc:  # noqa: BLE001 - the process is ending; say why, once
+        logger.warning("shutdown at exit failed: %s: %s", type(exc).__name__, exc)
 
 
 def require_context(backend: str | Backend | None = None) -> DistContext:
@@ -157,6 +176,7 @@ def shutdown() -> None:
     if _count_contexts(-1 if ctx is not None else 0) == 0:
         _remove_job_hooks()
         restore_environ()
+        atexit.unregister(_shutdown_at_exit)
     if in_flight is not None and replacement is not None and replacement is not in_flight:
         if failure.quiet(in_flight, replacement):
             raise replacement from None  # the original's traceback is in the file it names

@@ -1,0 +1,43 @@
+"""A rank that finished its work exits 0, with or without shardkit.shutdown() (issue 39 item 5).
+
+Left to interpreter teardown, torch's gloo process group drops finished collectives whose tensors
+refer to Python objects, and a finished rank could abort ("terminate called without an active
+exception", SIGABRT): 1 in 5 elastic restarts, and a Lightning run, whose Trainer never calls
+shutdown(). init() now registers an exit function that shuts the job down while the interpreter
+is whole; the script checks that the group is gone before teardown, in a loop of fresh jobs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardkit.spawn import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = 5
+
+pytestmark = pytest.mark.slow
+
+
+def test_ranks_that_never_call_shutdown_exit_cleanly_every_time(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHELASTIC", "SHARDKIT_", "MASTER_", "RANK", "WORLD_SIZE",
+                                "LOCAL_RANK", "LOCAL_WORLD_SIZE"))}
+    for run in range(RUNS):
+        port = str(free_port())
+        procs = [subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "_clean_exit_script.py")], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**env, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                 "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"})
+            for r in range(2)]
+        for rank, proc in enumerate(procs):
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, (run, rank, out[-3000:])
+            assert "process group at the end: destroyed" in out, (run, rank, out[-3000:])
+            assert "terminate called" not in out
