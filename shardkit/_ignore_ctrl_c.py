@@ -2,9 +2,9 @@
 ignores SIGINT.
 
 Ctrl-C reaches the whole terminal process group; the caller alone answers it (its
-KeyboardInterrupt stops every rank). Ignoring it here, inside the server, keeps the caller's
-own handler untouched while the server starts: a Ctrl-C at any moment reaches the caller
-(ignoring it in the caller for the server to inherit lost the ones pressed meanwhile).
+KeyboardInterrupt stops every rank). The server is also started with SIGINT blocked and ignored
+(spawn._ctrl_c_left_to_caller), which covers its Python start-up and the imports before this
+module; this keeps it ignored whatever a preloaded module or a future start path does.
 """
 
 import signal

@@ -163,16 +163,19 @@ def _start_ranks(method: str, rank_args: tuple) -> Any:
             return start()
     from multiprocessing import forkserver
 
-    # The server ignores SIGINT from its first preloaded module on (shardkit/_ignore_ctrl_c.py) and
-    # its ranks inherit that; the caller keeps its own handler throughout.
-    forkserver.ensure_running()
+    # The server is born ignoring SIGINT (its Python start-up and the package imports before its
+    # first preloaded module, shardkit/_ignore_ctrl_c.py, printed a KeyboardInterrupt traceback
+    # when a Ctrl-C landed there) and its ranks inherit that; the caller's own Ctrl-C meanwhile
+    # stays pending and reaches its handler once the server is started.
+    with _ctrl_c_left_to_caller():
+        forkserver.ensure_running()
     return start()
 
 
 @contextlib.contextmanager
 def _ctrl_c_left_to_caller() -> Iterator[None]:
-    """Start processes that ignore SIGINT (the spawn and fork start methods; the forkserver
-    ignores it itself): Ctrl-C reaches the whole terminal group, and the caller alone answers it
+    """Start processes that ignore SIGINT (ranks of the spawn start method, and the forkserver):
+    Ctrl-C reaches the whole terminal group, and the caller alone answers it
     (its KeyboardInterrupt stops every rank), instead of each rank, halfway through importing
     torch, printing a traceback of its own."""
     import threading

@@ -20,6 +20,7 @@ from .._version import __version__
 from ..errors import ShardkitError
 from ..suggest import did_you_mean
 from .args import ENVIRONMENT_HELP
+from .interrupts import note_ctrl_c
 
 # name -> (module whose add_parser registers it, one-line help shown by `shardkit --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -94,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `shardkit` command line; return its exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     previous = signal.getsignal(signal.SIGINT)
-    pressed = _note_ctrl_c()
+    pressed = note_ctrl_c()
     try:
         return _run(argv)
     except BaseException as exc:
@@ -110,21 +111,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if pressed is not None and previous is not None:  # main() called in-process gives it back
             signal.signal(signal.SIGINT, previous)
-
-
-def _note_ctrl_c() -> list[bool] | None:
-    """While Python's own SIGINT handler is in place, record a Ctrl-C before raising as it does:
-    the returned list is non-empty once one came (None: another handler is in place, left alone)."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        return None
-    pressed: list[bool] = []
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        pressed.append(True)
-        signal.default_int_handler(signum, frame)
-    signal.signal(signal.SIGINT, on_sigint)
-    return pressed
 
 
 def _run(argv: list[str]) -> int:

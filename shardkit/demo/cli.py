@@ -98,11 +98,14 @@ def traffic_report(result: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo from parsed flags and print its summary; return the exit code."""
-    from .data import require_scikit_learn
-    from .train import run_demo
+    from ..cli.interrupts import deferred_ctrl_c
 
+    with deferred_ctrl_c():  # torch and scikit-learn import whole, or not at all
+        from .data import require_scikit_learn
+        from .train import run_demo
+
+        require_scikit_learn()  # one line here, not each rank's chained traceback after spawning
     cfg = config_from_args(args)
-    require_scikit_learn()  # one line here, not each rank's chained traceback after spawning
     print(f"shardkit demo: {cfg.model} on digits 28x28, {cfg.nproc} ranks, {cfg.strategy}, "
           f"{cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''}, batch {cfg.batch_size}/rank, "
           f"{cfg.optimizer}, "
