@@ -13,8 +13,7 @@ import importlib
 import os
 import signal
 import sys
-import threading
-from typing import Any, Sequence
+from typing import Sequence
 
 from .._version import __version__
 from ..errors import ShardkitError
