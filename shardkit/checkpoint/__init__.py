@@ -2,8 +2,9 @@
 
 ``save``/``load`` write and read sharded checkpoints (torch.distributed.checkpoint) that reshard on
 load (``save(..., background=True)`` writes from a thread once the shards are copied to host
-memory); ``latest`` and ``complete`` name the complete checkpoints in a directory, for a restarted
-job to resume from; ``full_state_dict`` and ``export`` gather unit by unit;
+memory; ranks that pass different arguments are refused); ``latest`` and ``complete`` name the
+complete checkpoints in a directory, for a restarted job to resume from (``latest(dir,
+verify=True)`` skips damaged ones); ``full_state_dict`` and ``export`` gather unit by unit;
 ``load_full_state_dict`` loads full weights into a sharded model; ``consolidate`` and ``inspect``
 (``inspect_checkpoint``) work offline.
 """

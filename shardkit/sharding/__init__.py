@@ -11,9 +11,11 @@ reduce of one unit), state (per-model context, execution order, prefetch, backwa
 hooks (module and autograd hooks), forward_methods (other methods run under the hooks),
 reduce_ops (AVG / PREMUL_SUM or SUM + divide), materialize (meta-device init), replicas
 (compare replicated values across ranks, or copy rank 0's), api (shard()), module_api
-(no_sync, unshard, gradient sync, explicit prefetch), clip (clip_grad_norm_), traffic (bytes
-sent), views (the checkpoint contract), trace (`shardkit::` profiler ranges, free without a
-profiler).
+(no_sync, unshard, gradient sync, explicit prefetch; dtype/device changes refused), clip
+(clip_grad_norm_), torch_norms (torch's clip_grad_norm_/get_total_norm see whole parameters),
+state_dict_hooks (state_dict() tags and warns, load_state_dict() cuts a full dict to rows),
+traffic (bytes sent), views (the checkpoint contract), trace (`shardkit::` profiler ranges, free
+without a profiler).
 """
 
 from .api import shard
