@@ -103,6 +103,18 @@ class Recorder(pl.Callback):
         self.val.append(float(trainer.callback_metrics["val_loss"]))
 
 
+class SummaryRecorder(pl.callbacks.ModelSummary):
+    """Lightning's model-summary callback, keeping the totals it prints (rank 0)."""
+
+    totals: dict = {}
+
+    @staticmethod
+    def summarize(summary_data, total_parameters, trainable_parameters, model_size, *args,
+                  **kwargs) -> None:
+        SummaryRecorder.totals.update(total=total_parameters, trainable=trainable_parameters,
+                                      layers=[row for name, row in summary_data if name == "Params"])
+
+
 def strategy_for(args: argparse.Namespace):
     """The --strategy name as a Trainer argument (an object where options are needed)."""
     if args.strategy == "shardkit-policy":
@@ -127,13 +139,14 @@ def main() -> None:
     p.add_argument("--configure-model", action="store_true")
     p.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint every 4 steps into this directory")
     p.add_argument("--resume", default=None, help="ckpt_path= for fit()")
+    p.add_argument("--summary", action="store_true", help="record Lightning's model summary")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     module = Module(args.model, args.configure_model)
     recorder = Recorder()
-    callbacks: list = [recorder]
+    callbacks: list = [recorder] + ([SummaryRecorder(max_depth=1)] if args.summary else [])
     if args.ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=4,
                                                       save_top_k=-1))
@@ -142,7 +155,7 @@ def main() -> None:
                          accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
                          val_check_interval=4, limit_val_batches=2, num_sanity_val_steps=0,
                          enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_progress_bar=False, enable_model_summary=args.summary,
                          default_root_dir=os.path.dirname(os.path.abspath(args.out)))
     loader = DataLoader(data(args.model), batch_size=4)
     trainer.fit(module, loader, DataLoader(data(args.model), batch_size=4), ckpt_path=args.resume)
@@ -156,7 +169,7 @@ def main() -> None:
                        "predictions": [t.tolist() for t in predictions][:2],
                        "weights": {k: v.double().sum().item() for k, v in weights.items()},
                        "built_on": getattr(module, "built_on", None),
-                       "logged": logged}, f)
+                       "logged": logged, "summary": SummaryRecorder.totals}, f)
 
 
 def _full_weights(module: torch.nn.Module, strategy: str) -> dict[str, torch.Tensor]:

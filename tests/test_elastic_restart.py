@@ -107,3 +107,30 @@ def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(tmp_pat
     assert set(interrupted) == set(reference)
     for name, tensor in reference.items():  # bitwise: same data order, same reductions
         assert interrupted[name].equal(tensor), name
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two short torchrun jobs
+@pytest.mark.timeout(300)
+def test_the_example_resumes_past_a_damaged_newest_checkpoint(tmp_path):
+    # Before (issue 39): latest() read only manifests, returned the damaged checkpoint, and every
+    # restart failed on it with CorruptCheckpointError.
+    from shardkit.checkpoint import manifest as mf
+
+    ckpt = tmp_path / "ckpt"
+    first = run(["--nproc", "2", "--master-port", str(free_port()), EXAMPLE, "--ckpt-dir",
+                 str(ckpt), "--steps", "30", "--every", "10"])
+    assert first.returncode == 0, first.stdout + first.stderr
+    newest = ckpt / "step_000030"
+    manifest = mf.read_manifest(str(newest))
+    rel = max(manifest["files"], key=lambda r: manifest["files"][r]["size"])
+    with open(newest / rel, "r+b") as f:
+        f.seek(manifest["files"][rel]["size"] // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    again = run(["--nproc", "2", "--master-port", str(free_port()), EXAMPLE, "--ckpt-dir",
+                 str(ckpt), "--steps", "40", "--every", "10"])
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from {ckpt / 'step_000020'} at step 20" in again.stdout, again.stdout
+    assert "skipping" in again.stderr and rel in again.stderr, again.stderr[-3000:]

@@ -111,6 +111,17 @@ def test_trainer_fit_validate_predict_equal_ddp_at_two_ranks(tmp_path, model):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # three Lightning jobs
+def test_model_summary_counts_the_whole_model_at_any_device_count(tmp_path):
+    # Before (issue 40): the summary summed each rank's rows (150 K at 2 devices, 100 K at 3).
+    ddp = _run(tmp_path, "ddp", "--strategy", "ddp", "--summary", "--steps", "1")["summary"]
+    for devices in ("2", "3"):
+        ours = _run(tmp_path, f"shardkit{devices}", "--strategy", "shardkit", "--summary",
+                    "--steps", "1", "--devices", devices)["summary"]
+        assert ours == ddp and ddp["total"] > 0, (devices, ours, ddp)
+
+
+@pytest.mark.slow
 @pytest.mark.long  # four Lightning runs of a GPT-2-shaped model
 def test_gpt2_per_block_with_accumulation_and_clipping_equals_ddp(tmp_path):
     common = ["--model", "gpt2", "--accumulate", "2"]
