@@ -14,7 +14,7 @@ import pytest
 
 import shardkit
 
-from _disk_full_workers import background_save_onto_a_full_disk, save_onto_a_full_disk
+from _disk_full_workers import save_onto_a_full_disk
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_a_full_disk_during_a_background_save_is_named_and_cleaned_up(tiny_files
     # Before (issue 39): "failed: ." (the report itself found no space) and, when another rank
     # reported first, rank 0 left the partial directory filling the disk.
     filler = str(tiny_filesystem / "filler")
-    out = shardkit.spawn(background_save_onto_a_full_disk, 2, str(tiny_filesystem), filler,
+    out = shardkit.spawn(save_onto_a_full_disk, 2, str(tiny_filesystem), filler, True,
                          backend="cpu", threads_per_rank=1)
     for rank_out in out:
         error = rank_out["error"]

@@ -13,6 +13,7 @@ import shardkit.checkpoint as ck
 from shardkit.checkpoint import manifest as mf
 
 from _agreement_workers import resume_verified, save_three
+from _checkpoint_damage import flip_a_byte
 
 
 def fake_checkpoint(path, step=None, created="2026-11-26T00:00:00+00:00", complete=True):
@@ -55,22 +56,10 @@ def test_without_steps_the_newest_save_wins(tmp_path):
     assert ck.latest(tmp_path) == str(tmp_path / "a")
 
 
-def _flip_a_byte(checkpoint) -> str:
-    """Corrupt one byte in the middle of the checkpoint's largest data file; return its name."""
-    manifest = mf.read_manifest(str(checkpoint))
-    rel = max(manifest["files"], key=lambda r: manifest["files"][r]["size"])
-    with open(checkpoint / rel, "r+b") as f:
-        f.seek(manifest["files"][rel]["size"] // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    return rel
-
-
 @pytest.mark.slow
 def test_verified_latest_resumes_past_a_damaged_newest_checkpoint(tmp_path, caplog):
     shardkit.spawn(save_three, 2, str(tmp_path), threads_per_rank=1)
-    bad = _flip_a_byte(tmp_path / "step_3")
+    bad = flip_a_byte(tmp_path / "step_3")
     assert ck.latest(tmp_path) == str(tmp_path / "step_3")  # manifests only: not noticed
     with caplog.at_level(logging.WARNING, logger="shardkit"):
         assert ck.latest(tmp_path, verify=True) == str(tmp_path / "step_2")  # no job: local

@@ -115,20 +115,13 @@ def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(tmp_pat
 def test_the_example_resumes_past_a_damaged_newest_checkpoint(tmp_path):
     # Before (issue 39): latest() read only manifests, returned the damaged checkpoint, and every
     # restart failed on it with CorruptCheckpointError.
-    from shardkit.checkpoint import manifest as mf
+    from _checkpoint_damage import flip_a_byte
 
     ckpt = tmp_path / "ckpt"
     first = run(["--nproc", "2", "--master-port", str(free_port()), EXAMPLE, "--ckpt-dir",
                  str(ckpt), "--steps", "30", "--every", "10"])
     assert first.returncode == 0, first.stdout + first.stderr
-    newest = ckpt / "step_000030"
-    manifest = mf.read_manifest(str(newest))
-    rel = max(manifest["files"], key=lambda r: manifest["files"][r]["size"])
-    with open(newest / rel, "r+b") as f:
-        f.seek(manifest["files"][rel]["size"] // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    rel = flip_a_byte(ckpt / "step_000030")
     again = run(["--nproc", "2", "--master-port", str(free_port()), EXAMPLE, "--ckpt-dir",
                  str(ckpt), "--steps", "40", "--every", "10"])
     assert again.returncode == 0, again.stdout + again.stderr
