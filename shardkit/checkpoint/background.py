@@ -232,6 +232,7 @@ def _await_outcome(job: SaveJob) -> None:
     deadline = time.monotonic() + job.timeout_s + 60
     while not _is_complete(job):
         if os.path.exists(job.tmp + FAILED_SUFFIX):
+            shutil.rmtree(job.tmp, ignore_errors=True)  # this rank's part, written after a removal
             raise CheckpointError(_failure_text(job))
         if time.monotonic() > deadline:
             raise CheckpointError(f"the background save to {job.path} did not complete within "
@@ -254,10 +255,10 @@ def _is_complete(job: SaveJob) -> bool:
 
 
 def _report_failure(job: SaveJob, text: str) -> None:
-    if job.rank == 0:
-        # Never a checkpoint: give the space back first, whichever rank reported first (on a
-        # full disk the report itself needs that space).
-        shutil.rmtree(job.tmp, ignore_errors=True)
+    # Never a checkpoint: give the space back first (on a full disk the report itself needs it).
+    # Any rank removes it: a writer still running elsewhere may recreate the directory (DCP's
+    # writer makes it), so each rank's writer removes it again as it ends (_await_outcome).
+    shutil.rmtree(job.tmp, ignore_errors=True)
     try:
         with open(job.tmp + FAILED_SUFFIX, "x") as f:
             f.write(text)
@@ -266,8 +267,8 @@ def _report_failure(job: SaveJob, text: str) -> None:
         pass  # the first failure is the one to report ...
     except OSError:
         return
-    try:  # ... unless the disk was too full to hold its words: rank 0 has just made room
-        if job.rank == 0 and os.path.getsize(job.tmp + FAILED_SUFFIX) == 0:
+    try:  # ... unless the disk was too full to hold its words: the removal above made room
+        if os.path.getsize(job.tmp + FAILED_SUFFIX) == 0:
             with open(job.tmp + FAILED_SUFFIX, "w") as f:
                 f.write(text)
     except OSError:
