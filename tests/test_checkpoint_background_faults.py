@@ -73,7 +73,9 @@ def test_raw_ranks_end_in_seconds_when_a_peer_dies_during_a_background_save(tmp_
     out = (tmp_path / f"out{survivor}.log").read_text()
     reports = [line for line in out.splitlines() if line.startswith("shardkit:")]
     assert len(reports) == 1 and f"rank {victim} died" in reports[0], out[-3000:]
-    assert "TCPStore.cpp" not in out, out[-3000:]
+    # No C++ warning per store call once the store's host is gone (0 here in 12 runs; one
+    # torch warning from a call already in flight would not be a loop).
+    assert out.count("TCPStore.cpp") <= 1, out[-3000:]
     _check_checkpoint(tmp_path)
 
 
