@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from . import manifest as mf
 from .dcp_io import FlatChunk
-from .disk_full import free_bytes, name_a_full_disk
+from .disk_full import NEARLY_FULL_BYTES, free_bytes, name_a_full_disk
 from .errors import CheckpointError
 from .host_io import write_metadata, write_rank
 
@@ -284,7 +284,7 @@ def _failure_text(job: SaveJob) -> str:
     if not cause:  # the report could not be written: most likely the disk is full
         free = free_bytes(job.tmp)
         cause = (f"no space left on device ({free} bytes free on the file system; the failing "
-                 "rank's own report could not be written)" if free is not None and free < (1 << 20)
+                 "rank's own report could not be written)" if free is not None and free < NEARLY_FULL_BYTES
                  else "a rank failed and its report could not be written")
     return (f"the background save to {job.path} failed: {cause}. Any previous checkpoint at "
             f"{job.path} is untouched. HINT: free space on that file system or save somewhere "

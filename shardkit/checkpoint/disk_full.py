@@ -9,7 +9,7 @@ import shutil
 # torch's zip writer reports a short write (a full disk) as "unexpected pos N vs M" or "file
 # write failed", and DCP passes that on. Those words, or this little free space left, mean the
 # disk filled up (free space is read after the fact: another rank may already have freed some).
-_NEARLY_FULL_BYTES = 1 << 20
+NEARLY_FULL_BYTES = 1 << 20
 _SHORT_WRITE_WORDS = ("unexpected pos", "file write failed")
 
 
@@ -19,15 +19,16 @@ def name_a_full_disk(directory: str, cause: str) -> str:
         return cause
     free = free_bytes(directory)
     short_write = any(words in cause for words in _SHORT_WRITE_WORDS)
-    if not short_write and (free is None or free >= _NEARLY_FULL_BYTES):
+    if not short_write and (free is None or free >= NEARLY_FULL_BYTES):
         return cause
     measured = "" if free is None else f"{free} bytes free on the file system; "
     return f"no space left on device ({measured}torch said: {cause})"
 
 
 def free_bytes(directory: str) -> int | None:
-    # Rank 0 removes the temporary directory as soon as its own report is written, possibly
-    # between another rank's look and its measurement: fall back to the parent.
+    """Free bytes on the file system of `directory` (or of its parent), None if neither exists."""
+    # Another rank may remove the temporary directory between this rank's look and its
+    # measurement: fall back to the parent.
     for probe in (directory, os.path.dirname(directory)):
         try:
             return shutil.disk_usage(probe).free

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .module_api import get_state
-from .torch_norms import total_norm
+from .torch_norms import total_norm_of
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -18,7 +18,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     """
     state = get_state(module)
     grads = [sp.sharded.grad for sp in state.iter_params() if sp.sharded.grad is not None]
-    total = total_norm(grads, norm_type)
+    with torch.no_grad():
+        total = total_norm_of(grads, [state] * len(grads), norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.detach().mul_(coef.to(g.device, g.dtype))

@@ -82,20 +82,22 @@ class ShardedParam:
 
             raise ShardkitError(f"parameter {self.fqn!r} has shape {tuple(self.full_shape)} but the "
                                 f"tensor given has shape {tuple(full.shape)}")
-        flat = full.reshape(-1)
         with torch.no_grad():
-            shard = self.sharded.data.view(-1)  # a view: the copy lands in the parameter
-            shard.zero_()
-            if self.valid_numel:
-                shard[:self.valid_numel].copy_(flat[self.offset:self.offset + self.valid_numel])
+            self._copy_mine(full, self.sharded.data)  # .data's view: the copy lands in the parameter
 
     def rows_of(self, full: torch.Tensor, device: torch.device) -> torch.Tensor:
         """This rank's rows of a full tensor, shaped like the shard with zero padding rows (a new tensor)."""
-        out = torch.zeros(self.shard_shape, dtype=full.dtype, device=device)
-        if self.valid_numel:
-            out.view(-1)[:self.valid_numel].copy_(
-                full.detach().reshape(-1)[self.offset:self.offset + self.valid_numel])
+        out = torch.empty(self.shard_shape, dtype=full.dtype, device=device)
+        self._copy_mine(full, out)
         return out
+
+    def _copy_mine(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """Fill a shard-shaped tensor with this rank's elements of `full`; padding becomes zero."""
+        flat = shard.view(-1)
+        flat.zero_()
+        if self.valid_numel:
+            flat[:self.valid_numel].copy_(
+                full.detach().reshape(-1)[self.offset:self.offset + self.valid_numel])
 
     def accumulate_grad(self, grad: torch.Tensor) -> None:
         """Add a reduced flat gradient shard to the sharded parameter's .grad (creating it if absent)."""

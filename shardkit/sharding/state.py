@@ -181,3 +181,7 @@ class ShardState:
         """Every ShardedParam of the model, unit by unit."""
         for unit in self.units:
             yield from unit.params
+
+    def params_by_fqn(self) -> dict:
+        """Every name a sharded parameter has (tied ones have several) -> its ShardedParam."""
+        return {fqn: sp for sp in self.iter_params() for fqn in sp.fqns}

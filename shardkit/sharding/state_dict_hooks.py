@@ -20,7 +20,6 @@ die with it, and they work whether the model is loaded directly or as a child of
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 from torch import nn
@@ -37,16 +36,12 @@ def install(model: nn.Module) -> None:
     model._register_load_state_dict_pre_hook(_cut_to_rows, with_module=True)
 
 
-def _params_by_fqn(module: nn.Module) -> dict[str, Any]:
-    return {fqn: sp for sp in get_state(module).iter_params() for fqn in sp.fqns}
-
-
 def _tag_rows(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     state = get_state(module)
     local_metadata[TAG] = {"rank": state.shard_group.rank, "group_size": state.shard_group.size}
     if state.warned_state_dict:
         return
-    by_fqn = _params_by_fqn(module)
+    by_fqn = state.params_by_fqn()
     # keep_vars=True hands back the live Parameters: shardkit's own lookups by name, not a copy
     # on its way to a file.
     detached = [k for k in by_fqn if state_dict.get(prefix + k) is not None
@@ -71,7 +66,7 @@ def _cut_to_rows(module: nn.Module, state_dict: dict, prefix: str, local_metadat
     state = get_state(module)
     mine = (state.shard_group.rank, state.shard_group.size)
     tag = local_metadata.get(TAG)
-    for fqn, sp in _params_by_fqn(module).items():
+    for fqn, sp in state.params_by_fqn().items():
         value = state_dict.get(prefix + fqn)
         if not isinstance(value, torch.Tensor):
             continue  # absent: torch reports missing keys as usual

@@ -140,7 +140,13 @@ def total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: float 
                error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """torch.nn.utils.get_total_norm, with sharded gradients counted as the whole parameters'."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    owners = _owners_of(tensors) if tensors else []
+    return total_norm_of(tensors, _owners_of(tensors) if tensors else [], norm_type,
+                         error_if_nonfinite, foreach)
+
+
+def total_norm_of(tensors: list[torch.Tensor], owners: list[Any], norm_type: float = 2.0,
+                  error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """total_norm with each tensor's engine state given (None: not a shard's gradient)."""
     if not any(owner is not None for owner in owners):
         return _ORIGINAL_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
     norm_type = float(norm_type)

@@ -50,14 +50,10 @@ class ShardView:
     requires_grad: bool
 
 
-def _by_fqn(module: nn.Module) -> dict[str, ShardedParam]:
-    return {fqn: sp for sp in get_state(module).iter_params() for fqn in sp.fqns}
-
-
 def shard_views(module: nn.Module) -> list[ShardView]:
     """Every sharded parameter of a module returned by shardkit.shard(), in state_dict order."""
     state = get_state(module)
-    by_fqn = _by_fqn(module)
+    by_fqn = state.params_by_fqn()
     views = []
     for fqn in module.state_dict(keep_vars=True):
         sp = by_fqn.get(fqn)
@@ -89,7 +85,7 @@ def iter_unit_full_params(module: nn.Module) -> Iterator[tuple[list[str], dict[s
 
 def load_full_param_(module: nn.Module, fqn: str, full: torch.Tensor) -> None:
     """Copy this rank's slice of a full tensor into the sharded parameter in place (no communication)."""
-    sp = _by_fqn(module).get(fqn)
+    sp = get_state(module).params_by_fqn().get(fqn)
     if sp is None:
         raise ShardkitError(f"{fqn!r} is not a sharded parameter of this model; HINT: names are "
                             "those of the original model's state_dict() (buffers are not sharded)")
