@@ -3,12 +3,13 @@
     pip install -e '.[examples,lightning]'
     python examples/lightning_trainer.py --devices 2                     # 2 CPU ranks, Lightning launches them
     python examples/lightning_trainer.py --devices 2 --precision bf16-mixed --accumulate 2 --clip 1.0
+    python examples/lightning_trainer.py --devices 3 --epochs 1 --resume lightning-ckpt/last.ckpt  # one more epoch
 
 The LightningModule is ordinary Lightning: nothing in it knows about shardkit. The strategy is
 chosen by name, or as `ShardkitStrategy(...)` with any shardkit.shard() option; the layers are
 built in `configure_model`, on the meta device, and materialised straight into shards.
 Checkpoints (`ModelCheckpoint`) are shardkit's sharded directories: `--resume PATH` continues one,
-at any number of devices.
+at any number of devices, for `--epochs` more epochs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import lightning.pytorch as pl
 
 import shardkit  # noqa: F401 - makes strategy="shardkit" known to Lightning
 from shardkit.demo.data import load_digits_28
+from shardkit.checkpoint import read_extra
 from shardkit.lightning import ShardkitStrategy
 from shardkit.wrap import transformer_layers
 
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     """Fit, validate and return the final metrics (rank 0's view)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3,
+                   help="epochs to train (with --resume: epochs to train beyond the checkpoint's)")
     p.add_argument("--precision", default="32-true", help="32-true, bf16-mixed or bf16-true")
     p.add_argument("--sharding", default="FULL_SHARD",
                    help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD")
@@ -89,6 +92,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--checkpoint-dir", default="lightning-ckpt")
     p.add_argument("--resume", default=None, help="a checkpoint directory ModelCheckpoint wrote")
     args = p.parse_args(argv)
+    # Lightning's max_epochs counts from epoch 0, so a resumed run whose checkpoint already
+    # reached it would train nothing; --epochs counts the epochs this run adds instead.
+    done = read_extra(args.resume)["epoch"] + 1 if args.resume else 0
 
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                 auto_wrap_policy=transformer_layers({Block}))
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, precision=args.precision,
-        max_epochs=args.epochs, accumulate_grad_batches=args.accumulate,
+        max_epochs=done + args.epochs, accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip, logger=False, enable_progress_bar=False,
         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=args.checkpoint_dir, save_last=True)])
     model = DigitsClassifier()
@@ -107,6 +113,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 ckpt_path=args.resume)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.global_rank == 0:
+        if args.resume:
+            print(f"resumed after epoch {done - 1}; trained epochs {done} to {done + args.epochs - 1}")
         print("final: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())))
     return metrics
 

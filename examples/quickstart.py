@@ -34,9 +34,11 @@ for step in range(1, 101):
     shardkit.clip_grad_norm_(model, 1.0)
     opt.step()
     opt.zero_grad()
-    recent.append(loss.item())
-    if ctx.rank == 0 and step % 20 == 0:
-        print(f"step {step}, {ctx.world_size} ranks: mean loss {sum(recent) / len(recent):.3f}")
+    recent.append(loss.item())                # this rank's share of the batch
+    if step % 20 == 0:
+        mean = shardkit.global_mean(sum(recent) / len(recent))   # collective: every rank calls it
+        if ctx.rank == 0:
+            print(f"step {step}, {ctx.world_size} ranks: mean loss {mean:.3f}")
         recent.clear()
 shardkit.checkpoint.save("quickstart-ckpt", model, opt, extra={"step": step})  # loads at any world size
 shardkit.shutdown()

@@ -170,9 +170,12 @@ def fsdp_main(rank, args):
         val_loss = validation(model, ctx, cfg, val_tokens)
         scheduler.step()
         mem = ctx.backend.memory_stats(ctx.device)
+        # On the host the figures are the process's resident memory (all of Python and torch);
+        # on an accelerator, the tensors torch's allocator holds on the device.
+        what = "resident" if ctx.device.type == "cpu" else "allocated"
         if ctx.rank == 0:
             print(f"Epoch {epoch}: train loss {train_loss:.4f}, validation loss {val_loss:.4f}, "
-                  f"{time.perf_counter() - t0:.2f}s, memory allocated {mem['allocated'] / 2**20:.1f} "
+                  f"{time.perf_counter() - t0:.2f}s, memory {what} {mem['allocated'] / 2**20:.1f} "
                   f"MiB, peak {mem['peak'] / 2**20:.1f} MiB", flush=True)
         if args.save and val_loss < best_val_loss:
             # The tutorial's FULL_STATE_DICT with offload_to_cpu=True, rank0_only=True.

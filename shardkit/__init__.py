@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from . import checkpoint, wrap
     from .backend import API_VERSION, Backend
     from .capabilities import AttentionCall, Capabilities
+    from .global_mean import global_mean
     from .handles import CompletedWork, Group, NullEvent, NullStream, ReduceOp, TorchWork, Work
     from .launch_env import LaunchEnv, detect_launch_env
     from .planner import Plan, plan
@@ -47,6 +48,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     **{name: (".capabilities", name) for name in ("AttentionCall", "Capabilities")},
     **{name: (".handles", name) for name in ("CompletedWork", "Group", "NullEvent", "NullStream",
                                              "ReduceOp", "TorchWork", "Work")},
+    "global_mean": (".global_mean", "global_mean"),
     **{name: (".launch_env", name) for name in ("LaunchEnv", "detect_launch_env")},
     **{name: (".planner", name) for name in ("Plan", "plan")},
     **{name: (".plugin", name) for name in ("hookimpl", "hookspec")},
@@ -77,8 +79,8 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    """The public names, resolved or not (for tab completion)."""
-    return sorted(set(globals()) | set(_LAZY))
+    """The public names, resolved or not (for tab completion); not the imports this file uses."""
+    return sorted(__all__)
 
 
 # Every public name, bound above or resolved by __getattr__ (tests/test_cli_startup.py checks).
@@ -91,7 +93,7 @@ __all__ = [
     "ShardkitError", "SpawnError", "StateDictMismatchError", "TorchWork",
     "UnsupportedOperationError", "Work", "__version__", "backend_statuses", "check_replicas",
     "checkpoint", "clip_grad_norm_", "comm_stats", "current_context", "detect_launch_env",
-    "full_shape", "full_tensor", "get_backend", "hookimpl", "hookspec", "init", "local_shard",
+    "full_shape", "full_tensor", "get_backend", "global_mean", "hookimpl", "hookspec", "init", "local_shard",
     "plan", "register_forward_method", "register_plugin", "replicate", "seeded", "shard",
     "shutdown", "spawn", "wrap",
 ]

@@ -397,11 +397,12 @@ class Backend:
         """Return the command `shardkit launch` runs: torchrun by default; a backend with its own launcher overrides this."""
         import sys
 
-        # torchrun (torch.distributed.run) starts the ranks and sets RANK, WORLD_SIZE, LOCAL_RANK
-        # and MASTER_ADDR/PORT, which shardkit.init() reads; launcher_args are torchrun options.
-        # "--" stops torchrun's parser from reading the script's own options (it rejects a script's
-        # "--nproc" as an ambiguous abbreviation of its --nproc-per-node otherwise).
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
+        # torchrun's agent (torch.distributed.run, through shardkit.cli.launch_agent, which says a
+        # failure in a few lines instead of torchrun's traceback) starts the ranks and sets RANK,
+        # WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT, which shardkit.init() reads; launcher_args
+        # are torchrun options. "--" stops torchrun's parser from reading the script's own options
+        # (it rejects a script's "--nproc" as an ambiguous abbreviation of its --nproc-per-node).
+        return [sys.executable, "-m", "shardkit.cli.launch_agent", f"--nproc-per-node={nproc_per_node}",
                 *launcher_args, "--", *script_argv]
 
 
@@ -420,7 +421,9 @@ def process_memory() -> dict[str, int]:
             current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         current = peak
-    return {"allocated": current, "peak": peak}
+    # The kernel sums its RSS counters per CPU lazily, so the two reads can differ by a few pages
+    # either way; a peak below the current value is never the truth.
+    return {"allocated": current, "peak": max(peak, current)}
 
 
 def check_flat_sizes(op: str, whole_name: str, whole: torch.Tensor, part_name: str,

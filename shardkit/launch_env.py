@@ -21,6 +21,9 @@ _LAUNCHERS = (
 )
 
 JOB_ID_ENV = "SHARDKIT_JOB_ID"
+# shardkit.spawn names its jobs with this prefix; its ranks carry torchrun's variables, and the
+# prefix tells them (and their logs) that shardkit.spawn, not torchrun, started them.
+SPAWN_JOB_PREFIX = "shardkit.spawn/"
 # Variables whose value is the same for every rank of one job and differs between jobs; first
 # match wins. torchrun's run id is "none" unless --rdzv-id or --standalone set it.
 _JOB_ID_VARS = (JOB_ID_ENV, "TORCHELASTIC_RUN_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE",
@@ -119,6 +122,8 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
                                 else DEFAULT_MASTER_PORT)
             if world_size == 1 and "MASTER_PORT" not in environ:
                 port = None
+            if launcher == "torchrun" and environ.get(JOB_ID_ENV, "").startswith(SPAWN_JOB_PREFIX):
+                launcher = "shardkit.spawn"
             return LaunchEnv(rank, world_size, local_rank,
                              _local_size(environ, local_size_var, launcher, world_size),
                              addr, port, launcher, job_identity(environ))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from typing_extensions import override
 
 from .errors import PeerFailedError, ShardkitError
+from .launch_env import SPAWN_JOB_PREFIX
 
 if TYPE_CHECKING:
     from .backend import Backend
@@ -79,7 +80,7 @@ def _rank_main(local_rank: int, fn: Callable, nprocs: int, port: int, backend: A
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "SHARDKIT_ERROR_FILE": error_file,
                        # The result directory is unique to this spawn: its name names the job.
-                       "SHARDKIT_JOB_ID": f"shardkit.spawn/{os.path.basename(result_dir)}"})
+                       "SHARDKIT_JOB_ID": f"{SPAWN_JOB_PREFIX}{os.path.basename(result_dir)}"})
     if threads is not None:
         import torch
 

@@ -97,7 +97,7 @@ def test_every_error_class_the_readme_names_is_importable_from_shardkit():
 
     for cls in (SpawnError, CollectiveOrderError, CheckpointError, JobStoreError):
         assert issubclass(cls, ShardkitError) and cls.__name__ in shardkit.__all__
-    readme = (ROOT / "README.md").read_text()
+    readme = "".join(p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
     for name in ("SpawnError", "CollectiveOrderError", "CheckpointNotFoundError", "CheckpointError",
                  "PeerFailedError"):
         assert name in readme

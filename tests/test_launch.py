@@ -49,7 +49,7 @@ def test_dry_run_shows_torchrun_with_launcher_options_and_untouched_script_args(
     assert launch.main(argv) == 0
     env_part, _, cmd = capsys.readouterr().out.strip().partition(" ")
     assert env_part == "SHARDKIT_BACKEND=cpu"
-    assert cmd.split() == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+    assert cmd.split() == [sys.executable, "-m", "shardkit.cli.launch_agent", "--nproc-per-node=2",
                            "--nnodes", "2", "--node-rank=1", "--master-addr", "127.0.0.1",
                            "--master-port", "1234", "--standalone", "--",
                            "train.py", "--nproc", "9", "--backend", "gpu", "-x"]

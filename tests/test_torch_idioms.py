@@ -3,7 +3,7 @@
 Gradient clipping through torch.nn.utils (clip_grad_norm_ by attribute or imported before
 shard(), get_total_norm + clip_grads_with_norm_, clip_grad_value_) clips by the whole model's norm
 and trains like the unsharded model for 20 steps; state_dict()/load_state_dict() never move half
-a model silently. Parameter counts (p.numel()) are still this rank's rows: see README.
+a model silently. Parameter counts (p.numel()) are still this rank's rows: see docs/coming-from.md.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ load (``save(..., background=True)`` writes from a thread once the shards are co
 memory; ranks that pass different arguments are refused); ``latest`` and ``complete`` name the
 complete checkpoints in a directory, for a restarted job to resume from (``latest(dir,
 verify=True)`` skips damaged ones); ``full_state_dict`` and ``export`` gather unit by unit;
-``load_full_state_dict`` loads full weights into a sharded model; ``consolidate`` and ``inspect``
-(``inspect_checkpoint``) work offline.
+``load_full_state_dict`` loads full weights into a sharded model; ``consolidate``, ``inspect``
+(``inspect_checkpoint``) and ``read_extra`` work offline.
 """
 
 from importlib import import_module
@@ -19,7 +19,7 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 # registers these subcommands without needing it.
 _LAZY = {"save": "sharded", "load": "sharded", "full_state_dict": "full", "export": "full",
          "load_full_state_dict": "full", "consolidate": "offline",
-         "inspect_checkpoint": "offline", "format_inspection": "offline",
+         "inspect_checkpoint": "offline", "format_inspection": "offline", "read_extra": "offline",
          "latest": "resume", "complete": "resume",
          "BackgroundSave": "background"}
 
@@ -36,4 +36,4 @@ def __getattr__(name: str) -> Any:
 __all__ = ["BackgroundSave", "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
            "IncompleteCheckpointError", "StateDictMismatchError", "complete", "consolidate", "export",
            "format_inspection", "full_state_dict", "inspect", "inspect_checkpoint", "latest", "load",
-           "load_full_state_dict", "save"]
+           "load_full_state_dict", "read_extra", "save"]

@@ -16,6 +16,7 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
                      IncompleteCheckpointError)
 
 MANIFEST_FILE = "shardkit_manifest.json"
+STATE_FILE = "shardkit_state.pt"  # rank 0's pickle-free blob: `extra` and small optimizer state
 FORMAT = "shardkit-checkpoint"
 FORMAT_VERSION = 1
 OLD_SUFFIX = ".old"

@@ -1,9 +1,11 @@
-"""Offline tools on a saved checkpoint, no process group needed: consolidate to safetensors, inspect."""
+"""Offline tools on a saved checkpoint, no process group needed: consolidate to safetensors, inspect, read `extra`."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
+
+import torch
 
 from . import manifest as mf
 from .dcp_io import FlatTensorReader
@@ -52,6 +54,13 @@ def inspect_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
     return {"path": directory, **{k: manifest.get(k) for k in keys},
             "model": manifest["model"], "optimizer": manifest["optimizer"],
             "bytes": sum(f["size"] for f in manifest["files"].values())}
+
+
+def read_extra(checkpoint: str | os.PathLike) -> Any:
+    """The `extra` a checkpoint was saved with (what `load` returns), read without a model or a job."""
+    directory = mf.resolve(os.fspath(checkpoint))
+    mf.read_manifest(directory)  # refuses an unfinished or foreign directory, naming it
+    return torch.load(os.path.join(directory, mf.STATE_FILE), weights_only=True)["extra"]
 
 
 def format_inspection(info: dict[str, Any]) -> str:

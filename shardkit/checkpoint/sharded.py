@@ -20,7 +20,7 @@ from .entries import (MODEL_PREFIX, Entry, dtype_from_name, dtype_name, is_shard
 from .errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError
 from .host_io import load_chunks_to_device, save_chunks_from_host
 
-STATE_FILE = "shardkit_state.pt"
+STATE_FILE = mf.STATE_FILE
 
 
 _EXTRA_HINT = ("HINT: keep `extra` to tensors, numbers, strings, lists, tuples and dicts "

@@ -16,7 +16,7 @@ def positive_int(text: str) -> int:
 # ShardingStrategy's names, spelled out so that parsing needs no torch (a test keeps them equal).
 STRATEGY_NAMES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
-# The environment variables a user reaches for most, for --help epilogs (README's Settings has all).
+# The environment variables a user reaches for most, for --help epilogs (docs/guide/settings.md has all).
 ENVIRONMENT_HELP = """environment:
   SHARDKIT_LOG=info|debug   print what shardkit decides (backend, units, sizes; debug: every
                             collective) to stderr; -v / -vv set it for one command
@@ -26,4 +26,4 @@ ENVIRONMENT_HELP = """environment:
   SHARDKIT_BACKEND=NAME     the backend to use (see `shardkit info`)
   SHARDKIT_WATCHDOG=0       no per-rank watchdog; failures surface only as collective timeouts
   MASTER_ADDR, MASTER_PORT  rendezvous of hand-made launches (default 127.0.0.1:29500)
-more: the Settings section of README.md"""
+more: docs/guide/settings.md (the Settings page of the documentation)"""

@@ -120,8 +120,12 @@ def _plugin_text(b: dict[str, Any]) -> str:
     return f"{b['plugin']} ({b['distribution']} {b['distribution_version']})"
 
 
-def render(facts: dict[str, Any]) -> str:
-    """Return the human-readable report for `facts` (as made by collect())."""
+def render(facts: dict[str, Any], every_backend: bool = False) -> str:
+    """Return the human-readable report for `facts` (as made by collect()).
+
+    Capabilities and versions are shown for the backends that run here; those that cannot get
+    their reason and install hint only, unless `every_backend` (`shardkit info --all`).
+    """
     lines = [f"shardkit {facts['shardkit']}  |  python {facts['python']}  |  torch {facts['torch']}"
              f"  |  pluggy {facts['pluggy']}", f"platform: {facts['platform']}", ""]
     rows = [["BACKEND", "AVAILABLE", "DEVICES", "PROCESS GROUP", "PRIORITY", "AUTO-SELECT", "PLUGIN"]]
@@ -143,6 +147,8 @@ def render(facts: dict[str, Any]) -> str:
         else:
             lines.append(f"{b['name']}: not available: {b['reason']}")
             lines += _wrapped("HINT", b["hint"])
+            if not every_backend:
+                continue
         lines += _wrapped("capabilities", _capability_text(b["capabilities"]))
         versions = ", ".join(f"{k} {v}" for k, v in b["versions"].items())
         lines += _wrapped("versions", versions or "(none reported)")
@@ -154,6 +160,9 @@ def render(facts: dict[str, Any]) -> str:
             lines.append(f"  {f['plugin']} ({f['target']}): {f['error']}")
             lines += _wrapped("HINT", f"fix or uninstall the plugin, or skip it with "
                                       f"SHARDKIT_DISABLED_PLUGINS={f['plugin']}")
+    hidden = [b["name"] for b in facts["backends"] if not b["available"]]
+    if hidden and not every_backend:
+        lines += ["", f"(capabilities of {', '.join(hidden)}: shardkit info --all)"]
     if facts["settings"]:
         lines += ["", "settings: " + " ".join(f"{k}={v}" for k, v in facts["settings"].items())]
     return "\n".join(lines)

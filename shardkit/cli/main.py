@@ -20,6 +20,7 @@ from ..errors import ShardkitError
 from ..suggest import did_you_mean
 from .args import ENVIRONMENT_HELP
 from .interrupts import note_ctrl_c
+from .parser import SuggestingParser, subcommand_parser
 
 # name -> (module whose add_parser registers it, one-line help shown by `shardkit --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -80,7 +81,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="say what shardkit decides (SHARDKIT_LOG=info); -vv: every "
                              "collective too (debug); ranks it starts inherit it")
-    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND",
+                                       parser_class=SuggestingParser)
     chosen = _chosen_command(argv)
     if chosen is not None:
         importlib.import_module(COMMANDS[chosen][0]).add_parser(subparsers)
@@ -120,7 +122,12 @@ def _run(argv: list[str]) -> int:
         return 2
     argv, later_verbosity = _take_verbosity(argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        command = subcommand_parser(parser, named) if named is not None else None
+        if command is None:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        command.reject_extras(extras)
     if not hasattr(args, "run"):
         parser.print_help()
         return 0

@@ -34,7 +34,7 @@ def check_options(owner: str, backend: str | None, shard_options: dict[str, Any]
             "Fabric is built), and with accelerator='cpu' Lightning starts one process per "
             "device itself, while shardkit's xla ranks are started by XLA's launcher (threads of "
             "one process on PJRT-CPU). HINT: train on XLA without Lightning: `shardkit launch` "
-            "or shardkit.spawn(fn, n, backend='xla') (README, 'XLA'); the same LightningModule "
+            "or shardkit.spawn(fn, n, backend='xla') (docs/guide/xla.md); the same LightningModule "
             "runs on cpu/cuda with strategy='shardkit'")
     valid = shard_option_names()
     for name in shard_options:

@@ -1,0 +1,75 @@
+"""torchrun as `shardkit launch` runs it: the same agent, with a failure said in a few lines.
+
+torchrun ends a failed job by raising its ChildFailedError out of its own `main`, so the user gets
+torchrun's Python traceback (about 20 lines of launcher frames) and a 25-line table in which the
+ranks torchrun itself stopped with SIGTERM show an empty traceback. The rank that failed has
+already printed its traceback and every survivor shardkit's one-line report, so this prints one
+line per rank saying how each ended, the root cause first, and exits 1 as torchrun does.
+
+    python -m shardkit.cli.launch_agent [torchrun options] -- script.py [script args]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Sequence
+
+from ..failure.watchdog import PEER_FAILED_EXIT
+
+
+
+def _first_line(message: Any) -> str:
+    """The error line of a failure's message (torchrun's error files hold a dict or a string)."""
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    lines = [line.strip() for line in str(message or "").strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def describe_failures(script: str, failures: dict[int, Any], root_rank: int) -> str:
+    """The lines printed for a failed job: the root cause's rank first, then how each other rank ended."""
+    lines = [f"shardkit launch: {script} failed"]
+    for rank in [root_rank, *sorted(r for r in failures if r != root_rank)]:
+        failure = failures[rank]
+        code = failure.exitcode
+        where = f"rank {rank} (local {failure.local_rank}, pid {failure.pid})"
+        if rank == root_rank:
+            error = _first_line(failure.message)
+            how = (f"was killed by {failure.signal_name()}" if code < 0 else f"exited with status {code}")
+            lines.append(f"  {where} {how} first: the root cause"
+                         + (f": {error}" if error and not error.startswith("To enable traceback") else "")
+                         + (" (its traceback is above)" if code > 0 else ""))
+        elif code < 0:
+            lines.append(f"  {where} was stopped by torchrun ({failure.signal_name()}) after rank "
+                         f"{root_rank} failed")
+        elif code == PEER_FAILED_EXIT:
+            lines.append(f"  {where} exited with status {code}: it stopped because a peer failed "
+                         f"(its report is above)")
+        else:
+            lines.append(f"  {where} exited with status {code}: {_first_line(failure.message)}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run torchrun's agent on `argv`; on a failed job print describe_failures() and return 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    get_error_handler().initialize()
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        root_rank, root = exc.get_first_failure()
+        if os.environ.get("TORCHELASTIC_ERROR_FILE") and os.path.isfile(root.error_file):
+            # Under an outer torchelastic agent or scheduler: hand it the root cause, as torchrun does.
+            get_error_handler().dump_error_file(root.error_file, root.exitcode)
+        print(describe_failures(os.path.basename(args.training_script), exc.failures, root_rank),
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
