@@ -2,8 +2,8 @@
 
 Each rank's loss is the mean over its own batch, so printing rank 0's value logs a quarter of the
 data at 4 ranks. Averaging across ranks is one all-reduce; it goes through the job's Backend
-(SUM then a divide, since AVG is missing or inexact on gloo, oneCCL and XLA) so it runs the same
-on every backend, including XLA's device threads.
+(SUM then a divide, since AVG is missing or inexact on some collective libraries) so it runs the
+same on every backend, including device threads that share one process.
 """
 
 from __future__ import annotations

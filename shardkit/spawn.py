@@ -11,7 +11,7 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from typing_extensions import override
 
@@ -277,12 +277,20 @@ def _join(processes: list, grace: float, result_dir: str) -> None:
     try:
         _wait_all(pending, exit_times, grace)
     finally:
-        for proc in pending.values():  # interrupted: leave no rank running
-            proc.kill()
-            proc.join()
+        _kill_all(pending.values())  # interrupted: leave no rank running
     codes = {rank: proc.exitcode for rank, proc in enumerate(processes)}
     if any(codes.values()):
         raise _spawn_error(codes, exit_times, result_dir)
+
+
+def _kill_all(processes: Iterable[Any]) -> None:
+    """SIGKILL every process, then reap them: killed one by one, a rank still alive would see its
+    peer vanish and print a "rank N died" report (after a Ctrl-C that stopped them all)."""
+    processes = list(processes)
+    for proc in processes:
+        proc.kill()
+    for proc in processes:
+        proc.join()
 
 
 def _wait_all(pending: dict, exit_times: dict[int, float], grace: float) -> None:
@@ -301,9 +309,7 @@ def _wait_all(pending: dict, exit_times: dict[int, float], grace: float) -> None
                 if proc.exitcode != 0 and deadline is None:
                     deadline = time.monotonic() + grace
         if deadline is not None and pending and time.monotonic() >= deadline:
-            for proc in pending.values():
-                proc.kill()
-                proc.join()
+            _kill_all(pending.values())
             for rank in pending:
                 exit_times[rank] = time.time()
             pending.clear()

@@ -327,3 +327,10 @@ def torch_idioms(rank: int, world: int, steps: int = 3) -> dict:
         model.state_dict()
     out["warned"] = any("full_state_dict" in str(w.message) for w in caught)
     return out
+
+
+def global_means(rank: int) -> list:
+    """shardkit.global_mean on XLA device threads: a float and a device tensor per rank."""
+    ctx = shardkit.current_context()
+    return [shardkit.global_mean(float(rank + 1)),
+            shardkit.global_mean(torch.tensor(rank + 1.0, device=ctx.device))]

@@ -231,3 +231,9 @@ def test_torch_clip_grad_norm_and_load_state_dict_see_whole_parameters():
         assert max(run["diffs"]) <= 1e-4, run["diffs"]
         assert run["loaded_diff"] == 0.0
         assert run["warned"]
+
+
+def test_global_mean_on_device_threads():
+    # Logging the whole batch's loss: the docs' recipe, through the backend's own all-reduce.
+    for means in shardkit.spawn(_workers().global_means, 2, backend="xla"):
+        assert means == [1.5, 1.5], means
