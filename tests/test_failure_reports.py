@@ -149,7 +149,7 @@ def test_shardkit_launch_with_finally_shutdown_names_the_raising_rank(tmp_path):
     # status 75), in a few lines instead of torchrun's own traceback, and the failed rank is not
     # SIGTERMed into a second report.
     summary = out.split("shardkit launch: _report_script.py failed\n", 1)[1].splitlines()
-    assert re.match(r"  rank 1 \(local 1, pid \d+\) exited with status 1 first: the root cause: "
+    assert re.match(r"  rank 1 \(local 1, pid \d+\) exited with status 1 \(the root cause\): "
                     r"ValueError: bad batch on rank 1", summary[0]), out[-3000:]
     assert re.match(r"  rank 0 \(local 0, pid \d+\) (exited with status 75|was stopped by torchrun)",
                     summary[1]), out[-3000:]

@@ -91,25 +91,34 @@ def test_read_extra_needs_no_model_and_names_a_missing_checkpoint(tmp_path):
         shardkit.checkpoint.read_extra(tmp_path / "nothing")
 
 
-def _failure(rank: int, code: int, message: str = "") -> types.SimpleNamespace:
+def _failure(rank: int, code: int, message: object = "", at: float = 0.0) -> types.SimpleNamespace:
     return types.SimpleNamespace(local_rank=rank, pid=100 + rank, exitcode=code, message=message,
+                                 timestamp=at,
                                  signal_name=lambda: "SIGTERM" if code == -15 else "SIGKILL")
 
 
 def test_a_failed_launch_is_summed_up_in_one_line_per_rank_root_cause_first():
-    failures = {0: _failure(0, -15), 1: _failure(1, 1, {"message": "Traceback...\nValueError: bad"}),
-                2: _failure(2, 75), 3: _failure(3, -9)}
-    text = describe_failures("train.py", failures, root_rank=1)
-    assert text.splitlines() == [
+    failures = {0: _failure(0, -15, at=5), 1: _failure(1, 1, {"message": "Traceback...\nValueError: bad"}, 3),
+                2: _failure(2, 75, at=1), 3: _failure(3, 75, at=2)}
+    assert describe_failures("train.py", failures).splitlines() == [
         "shardkit launch: train.py failed",
-        "  rank 1 (local 1, pid 101) exited with status 1 first: the root cause: ValueError: bad "
+        "  rank 1 (local 1, pid 101) exited with status 1 (the root cause): ValueError: bad "
         "(its traceback is above)",
         "  rank 0 (local 0, pid 100) was stopped by torchrun (SIGTERM) after rank 1 failed",
         "  rank 2 (local 2, pid 102) exited with status 75: it stopped because a peer failed "
         "(its report is above)",
-        "  rank 3 (local 3, pid 103) was stopped by torchrun (SIGKILL) after rank 1 failed"]
-    killed = describe_failures("t.py", {0: _failure(0, -9)}, root_rank=0)
-    assert killed.splitlines()[1] == "  rank 0 (local 0, pid 100) was killed by SIGKILL first: the root cause"
+        "  rank 3 (local 3, pid 103) exited with status 75: it stopped because a peer failed "
+        "(its report is above)"]
+
+
+def test_a_killed_rank_is_the_root_cause_though_its_peers_reported_first():
+    # A rank killed with SIGKILL writes no error file: torchrun times its failure when it
+    # notices, after the survivors' reports of its death (their status 75) were written.
+    failures = {0: _failure(0, 75, at=1), 1: _failure(1, -9, "Signal 9 (SIGKILL) received", 4),
+                2: _failure(2, 75, at=2)}
+    lines = describe_failures("t.py", failures).splitlines()
+    assert lines[1] == "  rank 1 (local 1, pid 101) was killed by SIGKILL (the root cause)"
+    assert lines[2].startswith("  rank 0 (local 0, pid 100) exited with status 75")
 
 
 def test_pip_install_leaves_no_build_folder_to_shadow_the_build_package():

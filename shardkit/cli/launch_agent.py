@@ -12,6 +12,7 @@ line per rank saying how each ended, the root cause first, and exits 1 as torchr
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Any, Sequence
 
@@ -27,8 +28,21 @@ def _first_line(message: Any) -> str:
     return lines[-1] if lines else ""
 
 
-def describe_failures(script: str, failures: dict[int, Any], root_rank: int) -> str:
+def root_cause(failures: dict[int, Any]) -> int:
+    """The rank whose failure started it: not one that stopped because a peer failed (status 75)
+    or that torchrun stopped (SIGTERM), where another failed; then the earliest, as torchrun.
+
+    torchrun's own "first failure" goes by error-file time, and a rank killed with SIGKILL writes
+    none: its time is when torchrun noticed, later than the survivors' reports of its death."""
+    def order(rank: int) -> tuple[bool, bool, float, int]:
+        code = failures[rank].exitcode
+        return (code == PEER_FAILED_EXIT, code == -signal.SIGTERM, failures[rank].timestamp, rank)
+    return min(failures, key=order)
+
+
+def describe_failures(script: str, failures: dict[int, Any]) -> str:
     """The lines printed for a failed job: the root cause's rank first, then how each other rank ended."""
+    root_rank = root_cause(failures)
     lines = [f"shardkit launch: {script} failed"]
     for rank in [root_rank, *sorted(r for r in failures if r != root_rank)]:
         failure = failures[rank]
@@ -37,12 +51,14 @@ def describe_failures(script: str, failures: dict[int, Any], root_rank: int) -> 
         if rank == root_rank:
             error = _first_line(failure.message)
             how = (f"was killed by {failure.signal_name()}" if code < 0 else f"exited with status {code}")
-            lines.append(f"  {where} {how} first: the root cause"
-                         + (f": {error}" if error and not error.startswith("To enable traceback") else "")
+            lines.append(f"  {where} {how} (the root cause)"
+                         + (f": {error}" if error and not error.startswith(("To enable traceback",
+                                                                           "Signal ")) else "")
                          + (" (its traceback is above)" if code > 0 else ""))
+        elif code == -signal.SIGTERM:
+            lines.append(f"  {where} was stopped by torchrun (SIGTERM) after rank {root_rank} failed")
         elif code < 0:
-            lines.append(f"  {where} was stopped by torchrun ({failure.signal_name()}) after rank "
-                         f"{root_rank} failed")
+            lines.append(f"  {where} was killed by {failure.signal_name()}")
         elif code == PEER_FAILED_EXIT:
             lines.append(f"  {where} exited with status {code}: it stopped because a peer failed "
                          f"(its report is above)")
@@ -61,11 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as exc:
-        root_rank, root = exc.get_first_failure()
+        root = exc.failures[root_cause(exc.failures)]
         if os.environ.get("TORCHELASTIC_ERROR_FILE") and os.path.isfile(root.error_file):
             # Under an outer torchelastic agent or scheduler: hand it the root cause, as torchrun does.
             get_error_handler().dump_error_file(root.error_file, root.exitcode)
-        print(describe_failures(os.path.basename(args.training_script), exc.failures, root_rank),
+        print(describe_failures(os.path.basename(args.training_script), exc.failures),
               file=sys.stderr, flush=True)
         return 1
     return 0
