@@ -136,8 +136,9 @@ class Backend:
         """Whether scaled_dot_product_attention runs a fused kernel here for `call` (the planner's
         meta simulation then keeps its output and log-sum-exp, not the math path's scores).
 
-        The default is torch's CPU kernel (fused_attention_on_cpu)."""
-        return fused_attention_on_cpu(call)
+        The answer is the declared static fact, `capabilities.fused_attention` (torch's CPU kernel
+        unless the backend declares another); the planner reads that without starting the backend."""
+        return self.capabilities.fused_attention(call)
 
     # ---- streams and events (null objects when the device has none) --------------------------
     def new_stream(self, device: torch.device) -> Any:
@@ -404,12 +405,6 @@ class Backend:
         # (it rejects a script's "--nproc" as an ambiguous abbreviation of its --nproc-per-node).
         return [sys.executable, "-m", "shardkit.cli.launch_agent", f"--nproc-per-node={nproc_per_node}",
                 *launcher_args, "--", *script_argv]
-
-
-def fused_attention_on_cpu(call: AttentionCall) -> bool:
-    """torch's CPU attention: fused unless attention dropout or a mask that needs a gradient
-    sends it to the math path (the fused kernel shares grouped key/value heads itself)."""
-    return not call.dropout and not call.mask_needs_grad
 
 
 def process_memory() -> dict[str, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -11,6 +12,25 @@ from .errors import ShardkitError
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 EXACT_REDUCE_OPS = frozenset({"avg", "premul_sum"})  # what exact_reduce_ops may name
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What decides a device's scaled_dot_product_attention kernel, read off one call (the
+    planner asks Capabilities.fused_attention, since fused kernels keep far less for backward)."""
+
+    dtype: torch.dtype
+    dropout: bool = False  # dropout_p > 0
+    masked: bool = False  # an attn_mask is passed (is_causal alone is not a mask)
+    mask_needs_grad: bool = False  # ... and it requires a gradient (T5's learned position bias)
+    grouped_query: bool = False  # fewer key/value heads than query heads (enable_gqa)
+    head_dim: int = 64
+
+
+def fused_attention_on_cpu(call: AttentionCall) -> bool:
+    """torch's CPU attention: fused unless attention dropout or a mask that needs a gradient
+    sends it to the math path (the fused kernel shares grouped key/value heads itself)."""
+    return not call.dropout and not call.mask_needs_grad
 
 
 @dataclass(frozen=True)
@@ -53,8 +73,20 @@ class Capabilities:
     # How long a rank waits on a silent peer before failing when the user sets no timeout: an
     # accelerator job may keep peers waiting for minutes (first compile, autotune), a host job not.
     default_timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+    # Which scaled_dot_product_attention calls run a fused kernel on this device (it keeps its
+    # output and log-sum-exp for backward, not the math path's S x S scores): the planner reads
+    # it from the class, so a machine without the device plans for it. A pure function of the
+    # call; Backend.runs_fused_attention answers with it, and the conformance suite checks that.
+    fused_attention: Callable[[AttentionCall], bool] = fused_attention_on_cpu
+    # What the device's allocator holds above the tensors alive at the peak, as a fraction of
+    # them (a caching allocator reserves blocks it does not hand back): "what fits" plans a
+    # budget of device_memory / (1 + allocator_headroom). 0 where memory is what tensors hold.
+    allocator_headroom: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.allocator_headroom < 10.0:
+            raise ShardkitError(f"Capabilities.allocator_headroom is a fraction of the allocated "
+                                f"bytes in [0, 10), got {self.allocator_headroom}")
         if self.direct_collective_numel is not None and self.direct_collective_numel < 1:
             raise ShardkitError(f"Capabilities.direct_collective_numel must be None or >= 1, got "
                                 f"{self.direct_collective_numel}")
@@ -80,17 +112,6 @@ class Capabilities:
             "default_timeout_s": self.default_timeout.total_seconds(),
             "supported_dtypes": sorted(str(d).replace("torch.", "") for d in self.supported_dtypes),
             "compile_refusal": self.compile_refusal,
+            "allocator_headroom": self.allocator_headroom,
+            "fused_attention": getattr(self.fused_attention, "__qualname__", repr(self.fused_attention)),
         }
-
-
-@dataclass(frozen=True)
-class AttentionCall:
-    """What decides a device's scaled_dot_product_attention kernel, read off one call (the
-    planner asks Backend.runs_fused_attention, since fused kernels keep far less for backward)."""
-
-    dtype: torch.dtype
-    dropout: bool = False  # dropout_p > 0
-    masked: bool = False  # an attn_mask is passed (is_causal alone is not a mask)
-    mask_needs_grad: bool = False  # ... and it requires a gradient (T5's learned position bias)
-    grouped_query: bool = False  # fewer key/value heads than query heads (enable_gqa)
-    head_dim: int = 64

@@ -69,7 +69,9 @@ def describe_backends() -> str:
     return "\n".join(lines) if lines else "  (no backends registered)"
 
 
-def _instance(name: str) -> Backend:
+def backend_class(name: str) -> type[Backend]:
+    """The Backend class registered as `name`, whether or not it can run here (its declared
+    capabilities are static facts: the planner plans a GPU job from a laptop with them)."""
     state = plugin_state()
     cls = state.registry.get(name)
     if cls is None:
@@ -78,6 +80,12 @@ def _instance(name: str) -> Backend:
         hint = did_you_mean(name, [*state.registry.names(), *state.failures])
         raise BackendNotFoundError(f"unknown backend {name!r}{hint or '.'} Registered backends:\n"
                                    f"{describe_backends()}")
+    return cls
+
+
+def _instance(name: str) -> Backend:
+    state = plugin_state()
+    cls = backend_class(name)
     ok, reason = _probe(cls)
     if not ok:
         raise BackendUnavailableError(f"backend {name!r} is not available: {reason}.\n"

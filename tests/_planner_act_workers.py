@@ -143,4 +143,8 @@ def measured_device_peak(rank: int, name: str, batch: int, seq: int, ac: bool,
     ctx.backend.reset_peak_memory(ctx.device)
     model(**kwargs).loss.backward()
     ctx.backend.synchronize(ctx.device)
-    return {"held_before": held_before, "peak": ctx.backend.memory_stats(ctx.device)["peak"]}
+    device_module = getattr(torch, ctx.device.type, None)  # torch.cuda / torch.xpu: the caching allocator
+    reserved = (device_module.max_memory_reserved(ctx.device)
+                if hasattr(device_module, "max_memory_reserved") else None)
+    return {"held_before": held_before, "peak": ctx.backend.memory_stats(ctx.device)["peak"],
+            "reserved": reserved}

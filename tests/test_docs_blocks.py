@@ -81,13 +81,10 @@ RUN_BLOCKS = [b for b in BLOCKS if b.marker == "run"]
 
 # What a `run:` block finds already defined. Blocks run in each of 2 ranks (shardkit.spawn, gloo)
 # unless the prelude's runner says otherwise.
-_BLOCK_MODEL = '''
+# The quick start's Block (the pages' snippets are written against it).
+_BLOCK_CLASS = '''
 import torch
 from torch import nn
-
-import shardkit
-
-ctx = shardkit.current_context()
 
 
 class Block(nn.Module):
@@ -98,6 +95,12 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + self.mlp(self.norm(x))
+'''
+_BLOCK_MODEL = _BLOCK_CLASS + '''
+
+import shardkit
+
+ctx = shardkit.current_context()
 '''
 PRELUDES = {
     "sharded-model": _BLOCK_MODEL + '''
@@ -177,22 +180,10 @@ if __name__ == "__main__":
     print("doc block ran on 2 ranks")
 '''
 
-_LIGHTNING_RUNNER = '''
-import torch
-from torch import nn
+_LIGHTNING_RUNNER = _BLOCK_CLASS + '''
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
-
-
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
-
-    def forward(self, x):
-        return x + self.mlp(self.norm(x))
 
 
 class Model(pl.LightningModule):

@@ -32,3 +32,8 @@ def test_predicted_peak_matches_the_cuda_allocator(name, batch, seq, ac):
           f"max_memory_allocated {got['peak'] / 2**20:.1f} MiB (held when the step began "
           f"{got['held_before'] / 2**20:.1f})")
     assert plan.peak_bytes == pytest.approx(got["peak"], rel=0.05)  # issue 22's bound
+    # "What fits" keeps the declared allocator headroom free: it must cover what was reserved.
+    headroom = shardkit.get_backend("cuda").capabilities.allocator_headroom
+    print(f"  max_memory_reserved {got['reserved'] / 2**20:.1f} MiB = "
+          f"{got['reserved'] / got['peak']:.3f} x allocated (declared headroom {headroom:.2f})")
+    assert got["reserved"] <= (1 + headroom) * got["peak"]

@@ -18,8 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..backend import fused_attention_on_cpu
-from ..capabilities import AttentionCall
+from ..capabilities import AttentionCall, Capabilities, fused_attention_on_cpu
 from ..errors import ShardkitError
 from ..sharding.buckets import collective_buckets
 from ..sharding.traffic import CommStats
@@ -30,6 +29,7 @@ from ..sharding.policies import MixedPrecision, ShardConfig, ShardingStrategy
 from ..sharding.reshard import ReshardSpec, resolve, unit_label
 from ..wrap import WrapPolicy, as_policy
 from .activations import InputsFn
+from .models import check_sequence_fits
 from .nodes import inter_node_by_rank
 from .replay import Timeline
 from .optimizers import state_tensors
@@ -43,19 +43,34 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
+def target_capabilities(backend: object) -> Capabilities | None:
+    """The declared capabilities of the backend a plan targets, by name or object (None: none
+    named, the planner's host defaults). A name is read from its registered class: not started."""
+    if backend is None:
+        return None
+    from ..backend import Backend
+    from ..selection import backend_class
+
+    if isinstance(backend, Backend):
+        return backend.capabilities
+    if isinstance(backend, str):
+        return backend_class(backend).capabilities
+    raise ShardkitError(f"backend must be a name or a Backend, got {type(backend).__name__}")
+
+
 def backend_facts(shard_alignment: int | None, backend: object
                   ) -> tuple[int, int | None, Callable[[AttentionCall], bool]]:
     """The shard alignment, Capabilities.direct_collective_numel and attention kernel choice of
-    `backend` (or the defaults: alignment 1, no direct collectives, torch's CPU attention)."""
-    if backend is not None:
+    `backend` (or the defaults: alignment 1, no direct collectives, torch's CPU attention).
+
+    A backend named by string is read from its registered class, never started: its device
+    need not be on this machine (a laptop plans a GPU job)."""
+    caps = target_capabilities(backend)
+    if caps is not None:
         if shard_alignment is not None:
             raise ShardkitError("pass shard_alignment= or backend=, not both (the backend's "
                                 "capabilities decide its alignment)")
-        from ..selection import get_backend
-
-        chosen = get_backend(backend)  # type: ignore[arg-type]
-        caps = chosen.capabilities
-        return caps.shard_alignment, caps.direct_collective_numel, chosen.runs_fused_attention
+        return caps.shard_alignment, caps.direct_collective_numel, caps.fused_attention
     return (_positive_int("shard_alignment", 1 if shard_alignment is None else shard_alignment),
             None, fused_attention_on_cpu)
 
@@ -94,9 +109,10 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
       (what comm_stats(model)["inter_node"] counts on that rank).
     - optimizer: "adam", "adamw", "adadelta" or "sgd" (the state tensors kept per parameter).
     - shard_alignment: pad shards to multiples of this many elements, or backend=<name> to take
-      the alignment from that backend's capabilities (it is not started), and with it which
-      large parameters get collectives of their own (Capabilities.direct_collective_numel;
-      without a backend, none do).
+      the alignment from that backend's capabilities (read from its registered class: it is not
+      started, and its device need not be on this machine), and with it which large parameters
+      get collectives of their own (Capabilities.direct_collective_numel; without a backend,
+      none do) and which attention calls run fused (Capabilities.fused_attention).
     - reshard_after_forward: None (the strategy's default), True, False, or an int k dividing
       the shard group size: after forward each rank keeps its 1/k slice of the unit, and
       backward all-gathers inside its block of k ranks. A dict {unit name: value} sets it per
@@ -123,6 +139,8 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     group = shard_group_size(strat, hybrid_group_size, per_node, world)
     replicas = world // group
     align, direct, attention = backend_facts(shard_alignment, backend)
+    if seq is not None and getattr(model, "config", None) is not None:  # a transformers model
+        check_sequence_fits(model.config, model, seq)
     units = plan_units(model, as_policy(auto_wrap_policy))
     if not any(u.params for u in units):
         raise ShardkitError(f"plan() got a model with no parameters ({type(model).__name__})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from ..cli.args import ENVIRONMENT_HELP, STRATEGY_NAMES, positive_int
@@ -24,11 +25,46 @@ def memory_size(text: str) -> int:
         value = float(number)
     except ValueError:
         value = -1.0
-    if unit not in _UNITS or value <= 0:
+    if unit not in _UNITS or not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(
             f"expected a size such as 80GiB, 80GB or 81920MiB, got {text!r} (units: "
             f"{', '.join(['B', 'KB', 'MB', 'GB', 'TB', 'KiB', 'MiB', 'GiB', 'TiB'])})")
     return int(value * _UNITS[unit])
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a bandwidth)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (a latency)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def headroom(text: str) -> float:
+    """A fraction such as 0.2 or a percentage such as 20%, from 0 to 1000%."""
+    stripped = text.strip()
+    try:
+        value = float(stripped[:-1]) / 100 if stripped.endswith("%") else float(stripped)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not 0 <= value < 10:
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.2 or a percentage such "
+                                         f"as 20%, got {text!r}")
+    return value
 
 
 def world_size(text: str) -> int | str:
@@ -84,6 +120,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="memory per rank, e.g. 80GiB: without --batch, the largest batch that fits "
                         "for each strategy, with and without --ac and --cpu-offload (needs --seq); "
                         "with --batch, whether it fits")
+    p.add_argument("--headroom", type=headroom, default=None, metavar="FRACTION|PERCENT",
+                   help="with --device-memory: what the device's allocator holds above the "
+                        "planned peak, e.g. 0.3 or 30%%; planned peaks must fit "
+                        "device-memory / (1 + headroom) (default: the backend's declared "
+                        "allocator headroom: 45%% on cuda and xpu, 0 on cpu)")
     p.add_argument("--strategy", default="FULL_SHARD", type=str.upper,
                    choices=STRATEGY_NAMES)
     p.add_argument("--hybrid-group-size", type=positive_int, default=None,
@@ -103,7 +144,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--reshard-after-forward", type=_reshard, default=None,
                    metavar="default|true|false|K")
     p.add_argument("--backend", default=None,
-                   help="take the shard alignment from this backend's capabilities")
+                   help="plan for this backend (cuda, xpu, xla, cpu or a plugin's), from its "
+                        "declared capabilities: shard alignment, direct collectives, which "
+                        "attention calls run fused; its device need not be here")
     p.add_argument("--batch", type=positive_int, default=None,
                    help="per-rank batch: simulate one forward + backward on the meta device so "
                         "the peak includes activations (token models: input_ids of batch x seq)")
@@ -122,9 +165,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the link between nodes (default ib); inside a node: nvlink")
     t.add_argument("--intra-link", default="nvlink", choices=sorted(LINK_NAMES))
     t.add_argument("--ranks-per-node", type=positive_int, default=8)
-    t.add_argument("--link-gbps", type=float, default=None,
+    t.add_argument("--link-gbps", type=positive_float, default=None,
                    help="measured bandwidth between nodes, GB/s per rank (overrides --link's)")
-    t.add_argument("--link-latency-us", type=float, default=None,
+    t.add_argument("--link-latency-us", type=non_negative_float, default=None,
                    help="measured latency per ring step between nodes, microseconds")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=run)
@@ -134,11 +177,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Build the model, plan it and print the table (or JSON)."""
     from .build import plan
-    from .models import (default_hf_wrap, from_factory, from_hf_config, hf_config,
-                         wrap_by_class_names)
+    from .models import (check_sequence_fits, default_hf_wrap, from_factory, from_hf_config,
+                         hf_config, wrap_by_class_names)
 
     if args.hf_config is not None:
-        model = from_hf_config(hf_config(args.hf_config, args.set))
+        config = hf_config(args.hf_config, args.set)
+        model = from_hf_config(config)
+        check_sequence_fits(config, model, args.seq)
         present = {type(m).__name__ for m in model.modules()}
         wrap_names = [n for n in default_hf_wrap(model) if n in present]
     else:
@@ -158,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
     if args.step_time is not None and (args.device_memory is not None or args.world_size == "auto"):
         raise ShardkitError("--step-time predicts time at the world sizes of --scale; ask what "
                             "fits (--device-memory, --world-size auto) in a separate command")
+    if args.headroom is not None and args.device_memory is None:
+        raise ShardkitError("--headroom is the allocator's share of --device-memory; give "
+                            "--device-memory too (e.g. --device-memory 80GiB --headroom 30%)")
     if args.device_memory is not None or args.world_size == "auto":
         return _fit(args, model, options, heading)
     if args.step_time is not None:
@@ -218,6 +266,8 @@ def _fit(args: argparse.Namespace, model: Any, options: dict[str, Any], heading:
     if budget is None:
         raise ShardkitError("--world-size auto finds the fewest ranks that fit a memory budget: "
                             "give --device-memory, e.g. --device-memory 80GiB")
+    if args.headroom is not None:
+        options = {**options, "headroom": args.headroom}
     one = dict(strategy=args.strategy, cpu_offload=args.cpu_offload,
                activation_checkpointing=args.ac, seq=args.seq,
                reshard_after_forward=args.reshard_after_forward, **options)
@@ -254,8 +304,11 @@ def _fit(args: argparse.Namespace, model: Any, options: dict[str, Any], heading:
         print(fit.plan.table())
         return 0 if fit.fits else 1
     shape = f"x seq {args.seq}" if args.seq else ""
-    print(f"largest batch per rank {shape} in {_size(budget)} per rank on {args.world_size} "
-          f"rank(s), {args.mixed_precision}, optimizer {args.optimizer}:")
+    margin = fits[0].headroom
+    kept = (f" ({_size(fits[0].usable_memory)} planned: {margin:.0%} allocator headroom, "
+            f"--headroom to change)" if margin else "")
+    print(f"largest batch per rank {shape} in {_size(budget)} per rank{kept} on "
+          f"{args.world_size} rank(s), {args.mixed_precision}, optimizer {args.optimizer}:")
     print(f"{'strategy':<14} {'act. ckpt':<9} {'cpu_offload':<11} {'batch':>6} {'peak':>10}")
     for fit in fits:
         print(f"{fit.strategy:<14} {'yes' if fit.activation_checkpointing else 'no':<9} "

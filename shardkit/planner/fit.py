@@ -20,7 +20,7 @@ from ..sharding.plan import plan_units
 from ..sharding.policies import ShardConfig
 from ..wrap import as_policy
 from .activations import InputsFn
-from .build import backend_facts, plan, step_plan
+from .build import backend_facts, plan, step_plan, target_capabilities
 from .replay import Timeline, peak_at
 from .result import Plan, _size
 from .workload import Workload, fixed_bytes, unit_sizes
@@ -39,6 +39,12 @@ class Fit:
     world_size: int | None  # None: no world size up to the search's limit fits
     batch: int | None  # per rank; 0: not even one sample fits; None: no step simulated
     plan: Plan  # at the answer; where nothing fits, at the smallest case tried (what is over)
+    headroom: float = 0.0  # the allocator's share kept free: planned peaks fit device_memory / (1 + it)
+
+    @property
+    def usable_memory(self) -> int:
+        """The bytes the planned peak may reach: device_memory less the allocator's headroom."""
+        return usable(self.device_memory, self.headroom)
 
     @property
     def fits(self) -> bool:
@@ -50,6 +56,8 @@ class Fit:
         how = (f"{self.strategy}{', activation checkpointing' if self.activation_checkpointing else ''}"
                f"{', cpu_offload' if self.cpu_offload else ''}")
         peak, budget = _size(self.plan.peak_bytes), _size(self.device_memory)
+        if self.headroom:
+            budget += f" ({_size(self.usable_memory)} planned, {self.headroom:.0%} allocator headroom)"
         at = "" if self.plan.batch is None else f"batch {self.plan.batch} per rank "
         scope = " (activations not included)" if self.plan.batch is None else ""
         if not self.fits:
@@ -62,7 +70,8 @@ class Fit:
         return {"device_memory": self.device_memory, "strategy": self.strategy,
                 "activation_checkpointing": self.activation_checkpointing,
                 "cpu_offload": self.cpu_offload, "world_size": self.world_size, "batch": self.batch,
-                "fits": self.fits, "plan": self.plan.to_dict()}
+                "fits": self.fits, "headroom": self.headroom, "usable_memory": self.usable_memory,
+                "plan": self.plan.to_dict()}
 
 
 class _Fitter:
@@ -107,11 +116,11 @@ class _Fitter:
         return step_plan(static, self._timeline(ac, batch), batch, self.seq, ac)
 
     def largest_batch(self, world_size: int, strategy: str, ac: bool, cpu_offload: bool,
-                      budget: int, max_batch: int) -> Fit:
+                      budget: int, max_batch: int, headroom: float) -> Fit:
         static = self.static(world_size, strategy, cpu_offload)
-        best = _largest(self.batch_peak(static, ac), budget, max_batch)
+        best = _largest(self.batch_peak(static, ac), usable(budget, headroom), max_batch)
         return Fit(budget, static.strategy, ac, cpu_offload, world_size, best,
-                   self.at(static, ac, max(best, 1)))
+                   self.at(static, ac, max(best, 1)), headroom)
 
 
 def _largest(peak: Callable[[int], int], budget: int, limit: int) -> int:
@@ -134,21 +143,42 @@ def _budget(device_memory: int) -> int:
     return device_memory
 
 
+def usable(device_memory: int, headroom: float) -> int:
+    """The bytes a planned peak may reach in `device_memory` with `headroom` kept for the allocator."""
+    return int(device_memory / (1.0 + headroom))
+
+
+def resolve_headroom(headroom: float | None, options: dict[str, Any]) -> float:
+    """`headroom` as given, else the target backend's declared Capabilities.allocator_headroom
+    (0 without a backend: the planner's defaults are the host's)."""
+    if headroom is None:
+        caps = target_capabilities(options.get("backend"))
+        return 0.0 if caps is None else caps.allocator_headroom
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 10:
+        raise ShardkitError(f"headroom is the fraction of the planned peak kept free for the "
+                            f"allocator, from 0 to 10, got {headroom!r}")
+    return float(headroom)
+
+
 def largest_batch(model: nn.Module, world_size: int, device_memory: int, seq: int | None = None, *,
                   strategy: str = "FULL_SHARD", activation_checkpointing: bool = False,
                   cpu_offload: bool = False, example_inputs: InputsFn | None = None,
-                  max_batch: int = 1 << 20, **options: Any) -> Fit:
+                  max_batch: int = 1 << 20, headroom: float | None = None, **options: Any) -> Fit:
     """The largest per-rank batch whose planned peak fits in `device_memory` bytes per rank.
 
-    Other keyword arguments are shardkit.plan()'s (auto_wrap_policy, mixed_precision, ...)."""
+    headroom: the fraction of the planned peak the device's allocator may hold on top (planned
+    peaks must fit device_memory / (1 + headroom)); None takes the backend's declared
+    Capabilities.allocator_headroom (0.45 on cuda and xpu, 0 on the host). Other keyword
+    arguments are shardkit.plan()'s (auto_wrap_policy, mixed_precision, backend, ...)."""
     fitter = _Fitter(model, seq, example_inputs, options)
     return fitter.largest_batch(world_size, strategy, bool(activation_checkpointing),
-                                bool(cpu_offload), _budget(device_memory), max_batch)
+                                bool(cpu_offload), _budget(device_memory), max_batch,
+                                resolve_headroom(headroom, options))
 
 
 def fit_table(model: nn.Module, world_size: int, device_memory: int, seq: int | None = None, *,
               strategies: tuple[str, ...] = TABLE_STRATEGIES, example_inputs: InputsFn | None = None,
-              max_batch: int = 1 << 20, **options: Any) -> list[Fit]:
+              max_batch: int = 1 << 20, headroom: float | None = None, **options: Any) -> list[Fit]:
     """largest_batch for each strategy, without and with activation checkpointing and cpu_offload.
 
     Each strategy runs with its own reshard_after_forward default."""
@@ -156,7 +186,8 @@ def fit_table(model: nn.Module, world_size: int, device_memory: int, seq: int | 
         raise ShardkitError("fit_table compares strategies at their own reshard_after_forward "
                             "defaults; use largest_batch for one strategy with another setting")
     fitter, budget = _Fitter(model, seq, example_inputs, options), _budget(device_memory)
-    return [fitter.largest_batch(world_size, strategy, ac, offload, budget, max_batch)
+    margin = resolve_headroom(headroom, options)
+    return [fitter.largest_batch(world_size, strategy, ac, offload, budget, max_batch, margin)
             for strategy in strategies for ac in (False, True) for offload in (False, True)]
 
 
@@ -164,13 +195,15 @@ def smallest_world_size(model: nn.Module, device_memory: int, batch: int | None 
                         seq: int | None = None, *, strategy: str = "FULL_SHARD",
                         activation_checkpointing: bool = False, cpu_offload: bool = False,
                         example_inputs: InputsFn | None = None, max_world_size: int = 1 << 16,
-                        **options: Any) -> Fit:
+                        headroom: float | None = None, **options: Any) -> Fit:
     """The fewest ranks whose planned peak per rank, at `batch` per rank, fits in `device_memory`.
 
     Without a batch the peak leaves activations out (as plan() does). World sizes tried are
     multiples of hybrid_group_size and of an int reshard_after_forward where given. Memory per
     rank is taken to shrink as ranks are added (padding aside, sharding only divides it)."""
     budget, ac = _budget(device_memory), bool(activation_checkpointing)
+    margin = resolve_headroom(headroom, options)
+    planned = usable(budget, margin)
     fitter = _Fitter(model, seq, example_inputs, options)
     stride = math.lcm(*(v for v in (options.get("hybrid_group_size"),
                                     options.get("reshard_after_forward"))
@@ -186,13 +219,13 @@ def smallest_world_size(model: nn.Module, device_memory: int, batch: int | None 
         return plans[multiple]
 
     def over(multiple: int) -> int:  # 0 when it fits; never increases with more ranks
-        return max(plan_at(multiple).peak_bytes - budget, 0)
+        return max(plan_at(multiple).peak_bytes - planned, 0)
 
     limit = max_world_size // stride
     fits_at = _smallest_fitting(over, limit)
     chosen = plan_at(fits_at if fits_at else max(plans))
     return Fit(budget, chosen.strategy, ac, bool(cpu_offload),
-               fits_at * stride if fits_at else None, batch, chosen)
+               fits_at * stride if fits_at else None, batch, chosen, margin)
 
 
 def _smallest_fitting(over: Callable[[int], int], limit: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import sys
 from typing import Any, Iterable
 
@@ -48,6 +49,50 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+# Settings that count or size something (layers, heads, widths, positions, vocabulary): at least 1.
+_SIZE_SETTING = re.compile(r"^(n_|num_)|(_size|_dim|_layers?|_heads?|_positions|_embd|_inner|"
+                           r"_embeddings)$|^(d_model|d_ff|d_kv|vocab_size)$")
+
+
+def _checked_override(config: Any, key: str, text: str) -> Any:
+    """The value of `--set key=text`, of the type the setting has now; sizes at least 1."""
+    current, value = getattr(config, key), _parse_value(text)
+    where = f"--set {key}={text}: {type(config).__name__}.{key}"
+    if isinstance(current, bool):
+        if not isinstance(value, bool):
+            raise ShardkitError(f"{where} is true or false (now {json.dumps(current)}), got {text!r}")
+    elif isinstance(current, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ShardkitError(f"{where} is an integer (now {current}), got {text!r}")
+        if _SIZE_SETTING.search(key) and current >= 1 and value < 1:
+            raise ShardkitError(f"{where} counts or sizes part of the model (now {current}); it "
+                                f"must be at least 1, got {value}")
+    elif isinstance(current, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ShardkitError(f"{where} is a number (now {current}), got {text!r}")
+        value = float(value)
+    return value
+
+
+# Where transformers configs keep the most positions a model can embed (learned or rotary tables).
+_POSITION_SETTINGS = ("n_positions", "max_position_embeddings", "n_ctx")
+
+
+def check_sequence_fits(config: Any, model: nn.Module, seq: int | None) -> None:
+    """Refuse a --seq longer than a learned position table of `model` (a real step would index
+    past it; on meta it would not fail). Rotary and relative positions have no such table."""
+    if seq is None:
+        return
+    tables = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    for key in _POSITION_SETTINGS:
+        limit = getattr(config, key, None)
+        if (isinstance(limit, int) and not isinstance(limit, bool) and limit in tables
+                and seq > limit):
+            raise ShardkitError(f"--seq {seq} is longer than the {limit} positions of this "
+                                f"{type(config).__name__} ({key}); HINT: plan a longer context "
+                                f"with --set {key}={seq}")
+
+
 def hf_config(name_or_json: str, overrides: Iterable[str] = ()) -> Any:
     """A transformers config: a model type (gpt2, llama, t5; no download) or a config.json path."""
     try:
@@ -77,7 +122,7 @@ def hf_config(name_or_json: str, overrides: Iterable[str] = ()) -> Any:
             raise ShardkitError(f"--set needs KEY=VALUE, got {item!r}")
         if not hasattr(config, key):
             raise ShardkitError(f"{type(config).__name__} has no setting {key!r}")
-        setattr(config, key, _parse_value(value))
+        setattr(config, key, _checked_override(config, key, value))
     return config
 
 

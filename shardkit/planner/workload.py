@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..backend import fused_attention_on_cpu
+from ..capabilities import fused_attention_on_cpu
 from ..capabilities import AttentionCall
 from ..errors import ShardkitError
 from .activations import InputsFn, record_step

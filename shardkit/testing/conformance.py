@@ -29,6 +29,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 import functools
+import itertools
 import operator
 from typing import Any, Callable, Iterable, Sequence
 
@@ -36,7 +37,7 @@ import torch
 from typing_extensions import override
 
 from ..backend import Backend
-from ..capabilities import Capabilities
+from ..capabilities import AttentionCall, Capabilities
 from ..errors import ShardkitError, UnsupportedOperationError
 from ..handles import Group
 from ..runtime import DistContext, current_context
@@ -511,6 +512,24 @@ def check_memory_stats(c: Checker) -> None:
             c.expect(isinstance(value, int) and value >= 0,
                      f"memory_stats({device})[{key!r}] = {value!r}")
     c.be.reset_peak_memory(c.ctx.device)
+
+
+@_check
+def check_declared_facts(c: Checker) -> None:
+    """A started backend agrees with the facts its class declares (the planner reads the class)."""
+    declared = type(c.be).capabilities
+    c.expect(c.be.capabilities == declared,
+             "the instance's capabilities differ from the class's: the planner, which plans "
+             "without starting a backend, reads the class's")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for dropout, masked, mask_grad, grouped in itertools.product((False, True), repeat=4):
+            if mask_grad and not masked:
+                continue
+            for head_dim in (64, 128, 256):
+                call = AttentionCall(dtype, dropout, masked, mask_grad, grouped, head_dim)
+                runs, says = c.be.runs_fused_attention(call), declared.fused_attention(call)
+                c.expect(runs == says, f"runs_fused_attention({call}) is {runs} but "
+                                       f"Capabilities.fused_attention says {says}")
 
 
 CHECK_NAMES = tuple(CHECKS)
