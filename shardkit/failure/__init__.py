@@ -10,6 +10,7 @@ import sys
 import threading
 from typing import Any
 
+from .. import env_flags
 from ..env_flags import env_flag
 from ..errors import PeerFailedError, ShardkitError
 from . import launcher_record, where
@@ -21,8 +22,8 @@ __all__ = ["DEFAULT_ACCELERATOR_TIMEOUT", "DEFAULT_TIMEOUT", "PEER_FAILED_EXIT",
            "stop", "watchdog_requested", "where"]
 
 TIMEOUT_ENV = "SHARDKIT_TIMEOUT"
-DEBUG_ENV = "SHARDKIT_DEBUG"
-WATCHDOG_ENV = "SHARDKIT_WATCHDOG"
+DEBUG_ENV = env_flags.DEBUG
+WATCHDOG_ENV = env_flags.WATCHDOG
 # Long enough for a slow step or a checkpoint write on one rank, short enough that a dead peer
 # never parks a job for the half hour torch's own default allows.
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=30)

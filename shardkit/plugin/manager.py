@@ -17,6 +17,7 @@ from typing import Any
 
 import pluggy
 
+from ..env_flags import PLUGIN_AUTOLOAD, STRICT_PLUGINS, env_flag
 from ..errors import PluginLoadError
 from . import spec
 from .registry import BackendRegistry
@@ -58,7 +59,7 @@ class PluginState:
 
     def register(self, plugin: Any, name: str, target: str) -> None:
         """Register one plugin object and let it add its backends; record any failure."""
-        strict = os.environ.get("SHARDKIT_STRICT_PLUGINS", "") in ("1", "true", "yes")
+        strict = env_flag(STRICT_PLUGINS)
         try:
             self.pm.register(plugin, name=name)
             try:
@@ -79,7 +80,7 @@ class PluginState:
 
     def load_entry_point(self, name: str, target: str, loader: Any) -> None:
         """Import one entry point's object and register it."""
-        strict = os.environ.get("SHARDKIT_STRICT_PLUGINS", "") in ("1", "true", "yes")
+        strict = env_flag(STRICT_PLUGINS)
         try:
             plugin = loader()
         except Exception as exc:  # noqa: BLE001
@@ -110,7 +111,7 @@ def _discover() -> PluginState:
     state = PluginState()
     disabled = _disabled()
     seen: set[str] = set()
-    autoload = os.environ.get("SHARDKIT_PLUGIN_AUTOLOAD", "1") not in ("0", "false", "no")
+    autoload = env_flag(PLUGIN_AUTOLOAD, default=True)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in seen:
             continue  # the same distribution visible twice on sys.path

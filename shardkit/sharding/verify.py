@@ -17,14 +17,14 @@ from typing import Any
 import torch
 
 from ..backend import Backend
-from ..env_flags import env_flag
+from ..env_flags import DEBUG, env_flag
 from ..errors import ShardkitError
 from ..failure import where
 from ..failure.watchdog import default_store_client
 from ..handles import Group, ReduceOp, Work
 from .collectives import factor_kwargs
 
-ENV = "SHARDKIT_DEBUG"
+ENV = DEBUG  # the one SHARDKIT_DEBUG, named in env_flags
 _PREFIX = "shardkit/verify/"
 _KEEP = 64  # fingerprints a rank keeps in the store (peers read them within a few collectives)
 # Verified models made in this process so far. Every rank shards its models in the same order,
