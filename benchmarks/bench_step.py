@@ -37,12 +37,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# shardkit modes: (strategy, prefetch depth); prefetch 0 means every all-gather waits in place.
+# shardkit modes: (strategy, prefetch depth, the root's reshard_after_forward); prefetch 0 means
+# every all-gather waits in place; root None is the engine's default, True/False force it (the
+# root-reshard comparison of issue 38: freed after forward and gathered again for backward, or kept).
 SHARDKIT_MODES = {
-    "shardkit-full": ("FULL_SHARD", 1), "shardkit-full-noprefetch": ("FULL_SHARD", 0),
-    "shardkit-grad-op": ("SHARD_GRAD_OP", 1), "shardkit-grad-op-noprefetch": ("SHARD_GRAD_OP", 0),
-    "shardkit-no-shard": ("NO_SHARD", 1), "shardkit-no-shard-noprefetch": ("NO_SHARD", 0),
-    "shardkit-hybrid": ("HYBRID_SHARD", 1), "shardkit-hybrid-noprefetch": ("HYBRID_SHARD", 0),
+    "shardkit-full": ("FULL_SHARD", 1, None), "shardkit-full-noprefetch": ("FULL_SHARD", 0, None),
+    "shardkit-full-root-resharded": ("FULL_SHARD", 1, True),
+    "shardkit-full-root-kept": ("FULL_SHARD", 1, False),
+    "shardkit-grad-op": ("SHARD_GRAD_OP", 1, None),
+    "shardkit-grad-op-noprefetch": ("SHARD_GRAD_OP", 0, None),
+    "shardkit-no-shard": ("NO_SHARD", 1, None), "shardkit-no-shard-noprefetch": ("NO_SHARD", 0, None),
+    "shardkit-hybrid": ("HYBRID_SHARD", 1, None), "shardkit-hybrid-noprefetch": ("HYBRID_SHARD", 0, None),
 }
 TORCH_MODES = ("fsdp2", "fsdp1", "ddp", "single")
 ALL_MODES = tuple(SHARDKIT_MODES) + TORCH_MODES
@@ -100,8 +105,10 @@ def wrap(model: nn.Module, mode: str, ctx, unit_classes: tuple, dtype: torch.dty
     if mode in SHARDKIT_MODES:
         import shardkit
 
-        strategy, prefetch = SHARDKIT_MODES[mode]
-        kwargs = {"hybrid_group_size": max(1, ctx.world_size // 2)} if strategy == "HYBRID_SHARD" else {}
+        strategy, prefetch, root = SHARDKIT_MODES[mode]
+        kwargs: dict = {"hybrid_group_size": max(1, ctx.world_size // 2)} if strategy == "HYBRID_SHARD" else {}
+        if root is not None:
+            kwargs["reshard_after_forward"] = {"<root>": root}
         if low:
             kwargs["mixed_precision"] = shardkit.MixedPrecision(param_dtype=dtype,
                                                                 reduce_dtype=torch.float32)

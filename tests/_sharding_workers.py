@@ -347,7 +347,11 @@ def bytes_one_step(rank: int, world: int, strategy: str, shard_kwargs: dict | No
     F.cross_entropy(model(x), y).backward()
     stats = shardkit.comm_stats(model, reset=True)
     n = views[0].shard_group.size
+    from shardkit.sharding.module_api import get_state
+
     return {"stats": stats, "P": sum(v.full_shape.numel() for v in views),
+            # FULL_SHARD gathers the root once a step: it keeps its parameters for backward
+            "padded_root": sum(sp.padded_numel for sp in get_state(model).root_unit.params),
             "padded": sum(v.shard_numel * n for v in views), "shard_group": n,
             "padded_trainable": sum(v.shard_numel * n for v in views if v.requires_grad),
             "replica_group": views[0].replica_group.size if views[0].replica_group else 1}

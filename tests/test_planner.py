@@ -82,15 +82,18 @@ def test_full_shard_bytes_and_memory_by_hand():
         [("<root>", 20, 24, 12)]
     assert p.persistent == {"params": 48, "grads": 48, "optimizer": 96, "total": 192}
     assert (p.persistent_device, p.persistent_host) == (192, 0)
-    # gathered twice (forward, backward) and reduce-scattered once, (2-1) shards each
-    assert comm(p) == (96, 48, 0, {"all_gather": 2, "reduce_scatter": 1})
-    assert p.comm["total"] == 144
+    # gathered once (the root, here the whole model, keeps its parameters from forward to
+    # backward) and reduce-scattered once, (2-1) shards each; freed after forward, gathered twice
+    assert comm(p) == (48, 48, 0, {"all_gather": 1, "reduce_scatter": 1})
+    freed = shardkit.plan(linear(), world_size=2, reshard_after_forward=True)
+    assert comm(freed) == (96, 48, 0, {"all_gather": 2, "reduce_scatter": 1})
+    assert p.comm["total"] == 96 and freed.comm["total"] == 144
     assert p.units[0].unsharded_bytes == 24 * 4 and p.units[0].grad_bytes == 20 * 4
 
 
 def test_mixed_precision_gathers_in_param_dtype_and_reduces_in_reduce_dtype():
     p = shardkit.plan(linear(), world_size=2, mixed_precision=BF16)
-    assert comm(p) == (2 * 12 * 2, 12 * 4, 0, {"all_gather": 2, "reduce_scatter": 1})
+    assert comm(p) == (12 * 2, 12 * 4, 0, {"all_gather": 1, "reduce_scatter": 1})
     assert p.units[0].unsharded_bytes == 24 * 2
     assert p.persistent["total"] == 192  # the shards stay fp32 masters
 
@@ -105,7 +108,7 @@ def test_each_strategy_by_hand():
     # HYBRID 4 = 2 x 2: shard in pairs (12 elements each), all-reduce the shard across pairs
     hy = shardkit.plan(linear(), world_size=4, strategy="HYBRID_SHARD", hybrid_group_size=2)
     assert (hy.shard_group_size, hy.replica_group_size) == (2, 2)
-    assert comm(hy) == (96, 48, 48, {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1})
+    assert comm(hy) == (48, 48, 48, {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1})
     # one rank: nothing is sent and nothing counted
     one = shardkit.plan(linear(), world_size=1)
     assert comm(one) == (0, 0, 0, {}) and one.persistent["total"] == 20 * 16
@@ -115,7 +118,7 @@ def test_frozen_params_are_gathered_but_not_reduced():
     model = linear()
     model[0].bias.requires_grad_(False)
     p = shardkit.plan(model, world_size=2)
-    assert comm(p) == (96, 9 * 4, 0, {"all_gather": 2, "reduce_scatter": 1})
+    assert comm(p) == (48, 9 * 4, 0, {"all_gather": 1, "reduce_scatter": 1})
     assert p.persistent == {"params": 48, "grads": 36, "optimizer": 72, "total": 156}
     assert p.trainable_count == 15
 
@@ -130,12 +133,13 @@ def test_reshard_after_forward_int_gathers_backward_inside_k_ranks():
     assert comm(p) == (forward + backward, 3 * 8 * 4, 0, {"all_gather": 2, "reduce_scatter": 1})
     # k == group is True, k == 1 is False
     assert shardkit.plan(linear(), world_size=4, reshard_after_forward=4).comm == \
-        shardkit.plan(linear(), world_size=4).comm
+        shardkit.plan(linear(), world_size=4, reshard_after_forward=True).comm
     assert shardkit.plan(linear(), world_size=4, reshard_after_forward=1).comm == \
         shardkit.plan(linear(), world_size=4, strategy="SHARD_GRAD_OP").comm
     per_unit = shardkit.plan(two_linears(), world_size=4, auto_wrap_policy=per_linear(),
                              reshard_after_forward={"0": False})
-    assert [u.reshard_after_forward for u in per_unit.units] == [False, True, True]
+    # the root (last) keeps its parameters for backward unless told otherwise
+    assert [u.reshard_after_forward for u in per_unit.units] == [False, True, False]
 
 
 def test_alignment_from_argument_or_backend():
@@ -223,10 +227,12 @@ def _plan_7b(model: nn.Module, layer: type) -> shardkit.Plan:
 def _check_7b(p: shardkit.Plan) -> None:
     assert p.param_count == LLAMA2_7B_PARAMS
     assert len(p.units) == LLAMA2_7B["layers"] + 1
-    # FULL_SHARD: all-gather twice in bf16 and reduce-scatter once in fp32, 7/8 of the padded
-    # model each (every size here divides by 8, so nothing is padded)
+    # FULL_SHARD: all-gather twice in bf16 (the root once: it keeps its parameters for
+    # backward) and reduce-scatter once in fp32, 7/8 of the padded model each (every size here
+    # divides by 8, so nothing is padded)
     assert sum(u.padded_numel for u in p.units) == LLAMA2_7B_PARAMS
-    assert p.comm["all_gather"] == 7 * 2 * 2 * LLAMA2_7B_PARAMS // 8
+    root = p.units[-1].padded_numel
+    assert p.comm["all_gather"] == 7 * 2 * (2 * LLAMA2_7B_PARAMS - root) // 8
     assert p.comm["reduce_scatter"] == 7 * 4 * LLAMA2_7B_PARAMS // 8
     assert p.persistent["total"] == 16 * LLAMA2_7B_PARAMS // 8
 

@@ -96,12 +96,13 @@ def test_explicit_prefetch_order_is_followed_and_trains_the_same():
     for r in spawn_knobs(2):
         assert _ok(r["parity"]["explicit_prefetch"])
         default, explicit = r["prefetch"]["default"], r["prefetch"]["explicit"]
-        # The bounded default follows the recorded order (forward) and its reverse (backward).
+        # The bounded default follows the recorded order (forward) and its reverse (backward);
+        # backward gathers no root: it kept its parameters from forward (sharding/reshard.py).
         assert default["orders"][1] == {"forward": ["<root>", "blocks.0", "blocks.1"],
-                                        "backward": ["<root>", "blocks.1", "blocks.0"]}
+                                        "backward": ["blocks.1", "blocks.0"]}
         for step in explicit["orders"]:  # explicit lists apply from the first step
             assert step == {"forward": ["<root>", "blocks.1", "blocks.0"],
-                            "backward": ["<root>", "blocks.0", "blocks.1"]}
+                            "backward": ["blocks.0", "blocks.1"]}
         assert explicit["peak"] == 1
         errors = explicit["errors"]
         units = "['blocks.0', 'blocks.1', '<root>']"

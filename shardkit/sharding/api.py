@@ -26,7 +26,7 @@ from .plan import ParamPlan, all_param_plans, plan_units
 from .policies import MixedPrecision, ShardConfig, ShardingStrategy
 from .report import log_sharding
 from .replicas import broadcast_from_first, check_replicas
-from .reshard import ReshardSpec, make_reshard_groups, resolve
+from .reshard import ReshardSpec, frees_without_backward, make_reshard_groups, resolve
 from .state import ShardState
 from .unit import ShardUnit
 
@@ -102,6 +102,9 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
       dividing the shard group size N: keep a 1/k slice after forward and all-gather inside
       groups of k consecutive ranks in backward (ZeRO++ hpZ; k == N is True, k == 1 False).
       Per unit: a dict {unit name: value} ("<root>" for the root) or a callable(name, module).
+      Left to the default under FULL_SHARD and HYBRID_SHARD, the root unit keeps its parameters
+      from forward to backward (as FSDP2's root: one all-gather of the root fewer per step, no
+      higher peak), and frees them after a forward under no_grad.
     - verify: check before every collective that all ranks issue the same one, and raise naming
       the first difference instead of hanging (default: on when SHARDKIT_DEBUG=1; costs a store
       round trip per collective).
@@ -128,6 +131,7 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     n_shard = shard_group_size(config.strategy, hybrid_group_size, ctx.env.local_world_size,
                                ctx.world.size)
     reshard = resolve(reshard_after_forward, units_plan, config, n_shard)
+    free_without_backward = frees_without_backward(reshard_after_forward, units_plan, config)
     sync = _sync_module_states(sync_module_states, be)
     check_same_model(describe(units_plan, config) + [f"reshard_after_forward: {reshard}",
                                                      f"sync_module_states: {sync}"],
@@ -171,10 +175,11 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     for plan in plans.values():
         if id(plan.param) not in by_param:
             make(plan, plan.param)
-    for up, after_forward in zip(units_plan, reshard):
+    for up, after_forward, free_alone in zip(units_plan, reshard, free_without_backward):
         unit = ShardUnit(state, up.module, up.name, [by_param[id(p.param)] for p in up.params],
                          up.buffers, after_forward,
-                         None if isinstance(after_forward, bool) else reshard_groups[after_forward])
+                         None if isinstance(after_forward, bool) else reshard_groups[after_forward],
+                         free_without_backward=free_alone)
         state.units.append(unit)
     state.root_unit = state.units[-1]
     for unit in state.units:

@@ -138,7 +138,7 @@ def eager_post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kw
         st.record_post_forward(unit)
         unit.restore_buffers()
         if not st.keep_unsharded:
-            unit.after_forward()
+            unit.after_forward(backward_follows=torch.is_grad_enabled())
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -5,6 +5,14 @@ With an int k (1 < k < N, k dividing the shard-group size N) each rank keeps, af
 consecutive shard-group ranks; backward then all-gathers inside that k-rank group instead of
 the whole shard group. k == N is the same as True and k == 1 the same as False, so values are
 normalised to True, False or an int strictly between 1 and N.
+
+The root unit is the exception to the strategy's default: where that default frees a unit after
+forward (FULL_SHARD, HYBRID_SHARD), the root keeps its gathered parameters for backward, as
+FSDP2's root does: backward starts in the root's own layers (the output head), so freeing them
+after forward only to gather them again at once cost a whole extra all-gather of the root per
+step (GPT-2 small at 2 ranks: 712 -> 637 MB sent per rank per step) and saved no memory at the
+peak (the same 2226 MB per rank; benchmarks/README.md). After a forward under no_grad, where no
+backward follows, the root frees them as before. A value the user gives for the root wins.
 """
 
 from __future__ import annotations
@@ -28,9 +36,10 @@ def unit_label(name: str) -> str:
     return name or "<root>"
 
 
-def _normalise(value: Reshard, where: str, config: ShardConfig, n: int) -> bool | int:
+def _normalise(value: Reshard, where: str, config: ShardConfig, n: int,
+               root: bool = False) -> bool | int:
     if value is None:
-        return config.reshard_after_forward  # the strategy's default
+        return False if root_keeps_by_default(value, root, config) else config.reshard_after_forward
     if isinstance(value, bool):
         return value
     divisors = [d for d in range(1, n + 1) if n % d == 0]
@@ -53,23 +62,38 @@ def _normalise(value: Reshard, where: str, config: ShardConfig, n: int) -> bool 
     return value
 
 
-def resolve(spec: ReshardSpec, units: list[UnitPlan], config: ShardConfig,
-            n: int) -> list[bool | int]:
-    """One normalised value per unit plan: True, False or an int k with 1 < k < n."""
+def root_keeps_by_default(value: Reshard, root: bool, config: ShardConfig) -> bool:
+    """True for the root unit left to the default under a strategy that frees units after forward."""
+    return root and value is None and config.reshard_after_forward is True
+
+
+def _given(spec: ReshardSpec, units: list[UnitPlan]) -> list[Reshard]:
+    """The value `spec` gives each unit, before normalising (None: the default)."""
     names = [unit_label(u.name) for u in units]
     if isinstance(spec, Mapping):
         unknown = sorted(str(k) for k in spec if unit_label(str(k)) not in names)
         if unknown:
             raise ShardkitError(f"reshard_after_forward names unit(s) {unknown} that do not exist; "
                                 f"HINT: the units are {names}")
-        raw = [spec.get(u.name, spec.get(unit_label(u.name))) for u in units]
-    elif callable(spec):
-        raw = [spec(unit_label(u.name), u.module) for u in units]
-    else:
-        raw = [spec] * len(units)
+        return [spec.get(u.name, spec.get(unit_label(u.name))) for u in units]
+    if callable(spec):
+        return [spec(unit_label(u.name), u.module) for u in units]
+    return [spec] * len(units)
+
+
+def resolve(spec: ReshardSpec, units: list[UnitPlan], config: ShardConfig,
+            n: int) -> list[bool | int]:
+    """One normalised value per unit plan: True, False or an int k with 1 < k < n."""
     per_unit = isinstance(spec, Mapping) or callable(spec)
-    return [_normalise(v, f"[{label!r}]" if per_unit else "", config, n)
-            for v, label in zip(raw, names)]
+    return [_normalise(v, f"[{unit_label(u.name)!r}]" if per_unit else "", config, n,
+                       root=not u.name)
+            for v, u in zip(_given(spec, units), units)]
+
+
+def frees_without_backward(spec: ReshardSpec, units: list[UnitPlan],
+                           config: ShardConfig) -> list[bool]:
+    """Per unit: kept for backward only by the root's default, so freed after a no_grad forward."""
+    return [root_keeps_by_default(v, not u.name, config) for v, u in zip(_given(spec, units), units)]
 
 
 def make_reshard_groups(maker: GroupMaker, world: Group, shard_group: Group,

@@ -29,7 +29,7 @@ class ShardUnit:
                  params: list[ShardedParam],
                  buffers: list[tuple[nn.Module, str]] | None = None,
                  reshard_after_forward: bool | int | None = None,
-                 reshard_group: Group | None = None) -> None:
+                 reshard_group: Group | None = None, free_without_backward: bool = False) -> None:
         self.state = state
         self.buffers = buffers or []
         self._stashed_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
@@ -54,6 +54,8 @@ class ShardUnit:
         self.reshard_after_forward = (state.config.reshard_after_forward
                                       if reshard_after_forward is None else reshard_after_forward)
         self.reshard_group = reshard_group  # the k-rank group of an int reshard_after_forward
+        # Kept for backward only because it is the root (reshard.py): freed when none follows.
+        self.free_without_backward = free_without_backward
         self.partial_rows: dict[int, torch.Tensor] = {}  # per gather bucket index, in PARTIAL
         self.gathered_over = state.shard_group.size  # ranks the pending all-gathers span
         # None: the bounded `prefetch=` order; a list: exactly these units (set_*_prefetch).
@@ -164,9 +166,9 @@ class ShardUnit:
         self._expose(unsharded=False)
         self._move(ShardedState.KEPT)
 
-    def after_forward(self) -> None:
+    def after_forward(self, backward_follows: bool = True) -> None:
         """Reshard as reshard_after_forward says: free (True), keep (False), keep 1/k (int k)."""
-        if self.reshard_after_forward is True:
+        if self.reshard_after_forward is True or (self.free_without_backward and not backward_follows):
             self.to_sharded()
         elif self.reshard_after_forward is False:
             self.to_kept()
