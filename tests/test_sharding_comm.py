@@ -45,7 +45,8 @@ def test_hybrid_bytes_split_between_shard_and_replica_groups():
     for b in _bytes(4, "HYBRID_SHARD"):
         f, r, padded = b["shard_group"], b["replica_group"], b["padded"]
         s = b["stats"]
-        assert s["all_gather"] + s["reduce_scatter"] == (f - 1) / f * 3 * FP32 * padded
+        # (the root is gathered once a step: it keeps its parameters for backward)
+        assert s["all_gather"] + s["reduce_scatter"] == (f - 1) / f * FP32 * (3 * padded - b["padded_root"])
         assert s["all_reduce"] == pytest.approx(2 * (r - 1) / r * FP32 * padded / f, abs=3)
 
 

@@ -28,6 +28,7 @@ from .node import node_identity, pid_alive
 PEER_FAILED_EXIT = 75
 _DONE = -(1 << 40)  # added to a heartbeat counter when its rank shuts down cleanly
 _DIED = "died (its process is gone: killed, or it exited without reporting an error)"
+_UNREACHABLE = "is unreachable"  # the job's store host (rank 0 under spawn) stopped answering
 _PREFIX = "shardkit/failure/"
 _FINISHED = ("finished: it shut down cleanly (shardkit.shutdown() or the end of its script) while "
              "this rank still expected it in a collective")
@@ -125,7 +126,7 @@ class Watchdog:
         # its agent does, so a lost store there means the launcher itself went away. torch's
         # message carries a C++ backtrace after its first line: the first line says it.
         said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return Failure(0, f"is unreachable: the job's store stopped answering ({said}); rank 0 "
+        return Failure(0, f"{_UNREACHABLE}: the job's store stopped answering ({said}); rank 0 "
                           "hosts it unless a launcher agent does, so rank 0 most likely died")
 
     def finish(self) -> None:
@@ -255,9 +256,10 @@ class Watchdog:
             cause = ("every rank must issue the same collectives: run the same number of steps "
                      "on every rank (equal batches per rank, e.g. DistributedSampler with "
                      "drop_last=True) and let each finish its loop before shutdown()")
-        elif all(f.cause == _DIED for f in failures):
+        elif all(f.cause == _DIED or f.cause.startswith(_UNREACHABLE) for f in failures):
             # Nothing was posted: a kill, an OOM kill, or a crash, which the collective library
-            # itself causes when ranks issue collectives that do not match (gloo aborts).
+            # itself causes when ranks issue collectives that do not match (gloo aborts); a store
+            # host that stopped answering died the same way.
             cause = ("look at the failed rank's own output (killed, out of memory, or crashed; a "
                      "crash inside a collective can mean the ranks issued different collectives: "
                      "SHARDKIT_DEBUG=1 names the first difference)")
