@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-
 from . import manifest as mf
 from .dcp_io import FlatTensorReader
 from .entries import MODEL_PREFIX, dtype_from_name
@@ -58,9 +56,11 @@ def inspect_checkpoint(checkpoint: str | os.PathLike) -> dict[str, Any]:
 
 def read_extra(checkpoint: str | os.PathLike) -> Any:
     """The `extra` a checkpoint was saved with (what `load` returns), read without a model or a job."""
+    from .sharded import read_state  # here: `shardkit inspect` and consolidate need no engine
+
     directory = mf.resolve(os.fspath(checkpoint))
     mf.read_manifest(directory)  # refuses an unfinished or foreign directory, naming it
-    return torch.load(os.path.join(directory, mf.STATE_FILE), weights_only=True)["extra"]
+    return read_state(directory)["extra"]
 
 
 def format_inspection(info: dict[str, Any]) -> str:

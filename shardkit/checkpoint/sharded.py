@@ -20,8 +20,6 @@ from .entries import (MODEL_PREFIX, Entry, dtype_from_name, dtype_name, is_shard
 from .errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError
 from .host_io import load_chunks_to_device, save_chunks_from_host
 
-STATE_FILE = mf.STATE_FILE
-
 
 _EXTRA_HINT = ("HINT: keep `extra` to tensors, numbers, strings, lists, tuples and dicts "
                "(e.g. torch.get_rng_state(), scheduler.state_dict(); turn numpy arrays into "
@@ -125,10 +123,10 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         hosted = {k: FlatChunk(c, chunks[k].offset, chunks[k].full_numel)
                   for k, c in zip(keys, copies)}
         return bg.start(bg.SaveJob(path, tmp, ctx.rank, ctx.world_size, save_id, hosted,
-                                   STATE_FILE, state_blob or b"", info, timeout_s))
+                                   mf.STATE_FILE, state_blob or b"", info, timeout_s))
     _write_shards(ctx, path, tmp, chunks)
-    collective.on_rank0(ctx, f"writing {STATE_FILE}", lambda: mf.write_file_synced(
-        os.path.join(tmp, STATE_FILE), state_blob))
+    collective.on_rank0(ctx, f"writing {mf.STATE_FILE}", lambda: mf.write_file_synced(
+        os.path.join(tmp, mf.STATE_FILE), state_blob))
 
     files = mf.data_files(tmp)
     mine = {i: mf.sha256_file(os.path.join(tmp, rel))
@@ -257,7 +255,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
     compare_entries(f"checkpoint {directory}", expected, found, strict)
     if optimizer is not None:
         check_optimizer_class(manifest, optimizer, directory)
-    state = torch.load(os.path.join(directory, STATE_FILE), weights_only=True)
+    state = read_state(directory)
 
     chunks: dict[str, FlatChunk] = {}
     pending = []  # buffers that are not contiguous are read into a copy first
@@ -285,6 +283,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
     if optimizer is not None and optim_sd is not None:
         optimizer.load_state_dict(optim_sd)
     return state["extra"]
+
+
+def read_state(directory: str) -> dict[str, Any]:
+    """Rank 0's state file of a complete checkpoint: `extra` and the optimizer's small state."""
+    return torch.load(os.path.join(directory, mf.STATE_FILE), weights_only=True)
 
 
 def check_optimizer_class(manifest: dict, optimizer: torch.optim.Optimizer, directory: str) -> None:

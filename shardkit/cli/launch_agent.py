@@ -19,7 +19,6 @@ from typing import Any, Sequence
 from ..failure.watchdog import PEER_FAILED_EXIT
 
 
-
 def _first_line(message: Any) -> str:
     """The error line of a failure's message (torchrun's error files hold a dict or a string)."""
     if isinstance(message, dict):

@@ -13,7 +13,7 @@ from typing import NoReturn, Sequence
 
 from typing_extensions import override
 
-from ..suggest import did_you_mean
+from ..suggest import closest, did_you_mean
 
 _INVALID_CHOICE = re.compile(r"invalid choice: '(?P<word>[^']*)' \(choose from (?P<choices>.*)\)")
 
@@ -39,8 +39,8 @@ class SuggestingParser(argparse.ArgumentParser):
         parts = []
         for token in extras:
             flag = token.split("=", 1)[0]
-            guess = did_you_mean(flag, self.flag_names()) if flag.startswith("-") else ""
-            parts.append(f"{token!r}{guess.replace('; ', ' (', 1) + ')' if guess else ''}")
+            guess = closest(flag, self.flag_names()) if flag.startswith("-") else None
+            parts.append(f"{token!r} (did you mean {guess!r}?)" if guess else repr(token))
         self.error(f"unrecognized argument{'s' if len(parts) > 1 else ''}: {', '.join(parts)}")
 
 

@@ -42,8 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
-from ..capabilities import fused_attention_on_cpu
-from ..capabilities import AttentionCall
+from ..capabilities import AttentionCall, fused_attention_on_cpu
 from ..errors import ShardkitError
 from .replay import AFTER_FORWARD, ALLOC, FREE, GATHER, KEEP, REDUCE, RELEASE, StepRecord
 

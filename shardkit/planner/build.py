@@ -29,7 +29,6 @@ from ..sharding.policies import MixedPrecision, ShardConfig, ShardingStrategy
 from ..sharding.reshard import ReshardSpec, resolve, unit_label
 from ..wrap import WrapPolicy, as_policy
 from .activations import InputsFn
-from .models import check_sequence_fits
 from .nodes import inter_node_by_rank
 from .replay import Timeline
 from .optimizers import state_tensors
@@ -139,8 +138,6 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     group = shard_group_size(strat, hybrid_group_size, per_node, world)
     replicas = world // group
     align, direct, attention = backend_facts(shard_alignment, backend)
-    if seq is not None and getattr(model, "config", None) is not None:  # a transformers model
-        check_sequence_fits(model.config, model, seq)
     units = plan_units(model, as_policy(auto_wrap_policy))
     if not any(u.params for u in units):
         raise ShardkitError(f"plan() got a model with no parameters ({type(model).__name__})")

@@ -17,14 +17,19 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+def _number(text: str) -> float:
+    """`text` as a float; NaN (which every range check refuses) when it is not a number."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
 def memory_size(text: str) -> int:
     """Parse a memory size: 80GiB, 80 GB (10^9), 81920MiB or plain bytes."""
     number = text.strip().rstrip("bBiIkKmMgGtT ")
     unit = text.strip()[len(number):].strip().lower() or "b"
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
+    value = _number(number)
     if unit not in _UNITS or not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(
             f"expected a size such as 80GiB, 80GB or 81920MiB, got {text!r} (units: "
@@ -34,10 +39,7 @@ def memory_size(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """A finite number > 0 (a bandwidth)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _number(text)
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     return value
@@ -45,10 +47,7 @@ def positive_float(text: str) -> float:
 
 def non_negative_float(text: str) -> float:
     """A finite number >= 0 (a latency)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _number(text)
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
@@ -57,10 +56,7 @@ def non_negative_float(text: str) -> float:
 def headroom(text: str) -> float:
     """A fraction such as 0.2 or a percentage such as 20%, from 0 to 1000%."""
     stripped = text.strip()
-    try:
-        value = float(stripped[:-1]) / 100 if stripped.endswith("%") else float(stripped)
-    except ValueError:
-        value = math.nan
+    value = _number(stripped[:-1]) / 100 if stripped.endswith("%") else _number(stripped)
     if not math.isfinite(value) or not 0 <= value < 10:
         raise argparse.ArgumentTypeError(f"expected a fraction such as 0.2 or a percentage such "
                                          f"as 20%, got {text!r}")
@@ -177,13 +173,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Build the model, plan it and print the table (or JSON)."""
     from .build import plan
-    from .models import (check_sequence_fits, default_hf_wrap, from_factory, from_hf_config,
-                         hf_config, wrap_by_class_names)
+    from .models import (default_hf_wrap, from_factory, from_hf_config, hf_config,
+                         wrap_by_class_names)
 
     if args.hf_config is not None:
-        config = hf_config(args.hf_config, args.set)
-        model = from_hf_config(config)
-        check_sequence_fits(config, model, args.seq)
+        model = from_hf_config(hf_config(args.hf_config, args.set))
         present = {type(m).__name__ for m in model.modules()}
         wrap_names = [n for n in default_hf_wrap(model) if n in present]
     else:

@@ -8,10 +8,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..capabilities import fused_attention_on_cpu
-from ..capabilities import AttentionCall
+from ..capabilities import AttentionCall, fused_attention_on_cpu
 from ..errors import ShardkitError
 from .activations import InputsFn, record_step
+from .models import check_sequence_fits
 from .replay import StepRecord, Timeline, UnitSizes
 from .result import Plan, UnitRow
 
@@ -23,6 +23,8 @@ class Workload:
                  inputs: InputsFn | None, compute_dtype: torch.dtype | None,
                  direct_numel: int | None,
                  fused_attention: Callable[[AttentionCall], bool] = fused_attention_on_cpu) -> None:
+        if getattr(model, "config", None) is not None:  # a transformers model: its positions
+            check_sequence_fits(model.config, model, seq)
         self.model, self.units, self.seq = model, units, seq
         self.inputs, self.compute_dtype, self.direct_numel = inputs, compute_dtype, direct_numel
         self.fused_attention = fused_attention  # the target backend's kernel choice

@@ -137,9 +137,10 @@ def eager_post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kw
         st: ShardState = unit.state
         st.record_post_forward(unit)
         unit.restore_buffers()
+        backward_follows = torch.is_grad_enabled()
         if not st.keep_unsharded:
-            unit.after_forward(backward_follows=torch.is_grad_enabled())
-        if torch.is_grad_enabled():
+            unit.after_forward(backward_follows)
+        if backward_follows:
             tensors = [t for t in tree_flatten(output)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
