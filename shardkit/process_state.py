@@ -91,6 +91,14 @@ HELD: tuple[Held, ...] = (
          "torch's clip_grad_norm_ looks its total-norm function up in its module on every call",
          "the first shard()", "shutdown() puts torch's function back (the next shard() "
          "replaces it again)", "shardkit.sharding.torch_norms:uninstall"),
+    Held(("shardkit.sharding.whole_view:_item_op",
+          "shardkit.sharding.whole_view:_previous_item_handler"),
+         "a handler in torch's DTensor dispatcher that refuses .item()/float() of a Partial "
+         "DTensor (p.grad.norm() of a sharded parameter) instead of returning this rank's part",
+         "torch's DTensor dispatcher is one object for the process",
+         "the first shard() that makes DTensor parameters",
+         "shutdown() puts torch's behaviour back (the next such shard() installs it again)",
+         "shardkit.sharding.whole_view:allow_partial_items"),
     Held(("shardkit.sharding.hooks:_UNIT_OF",),
          "module -> weak reference to the unit whose hooks it carries",
          "torch's module hooks and the recipe helpers (compile_layers) get a module, not a model",

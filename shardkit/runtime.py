@@ -192,13 +192,16 @@ def _count_contexts(change: int) -> int:
 
 
 def _remove_job_hooks() -> None:
-    # The torch.optim hooks and torch's total-norm replacement that init() and shard()
-    # installed go with the job (process_state.py); the next init() / shard() installs them again.
+    # The torch.optim hooks, torch's total-norm replacement and the DTensor .item() refusal that
+    # init() and shard() installed go with the job (process_state.py); the next init() / shard()
+    # installs them again.
     remove_step_hook()
-    for name in ("shardkit.sharding.stale_optimizer", "shardkit.sharding.torch_norms"):
+    for name, remove in (("shardkit.sharding.stale_optimizer", "uninstall"),
+                         ("shardkit.sharding.torch_norms", "uninstall"),
+                         ("shardkit.sharding.whole_view", "allow_partial_items")):
         module = sys.modules.get(name)
         if module is not None:
-            module.uninstall()
+            getattr(module, remove)()
 
 
 def reset_context() -> None:

@@ -21,7 +21,7 @@ def local_optim(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dic
             if key == "step":
                 steps[v.fqn] = float(value)
             else:
-                value = value.detach().cpu().reshape(-1)  # shards keep dims; flat offsets
+                value = v.as_rows(value.detach()).cpu().reshape(-1)  # padded rows; flat offsets
                 pieces[(v.fqn, key)] = (v.offset, value[:v.valid_numel].clone(),
                                         value[v.valid_numel:].clone())
     return pieces, steps

@@ -126,13 +126,16 @@ def muon_run(rank: int, world: int, strategy: str = "FULL_SHARD", hybrid: int | 
     """MuonLike sharded vs unsharded; shapes, full_shape/full_tensor/local_shard checked on the way."""
     ref, model = _pair(strategy, hybrid)
     ref_shapes = {n: p.shape for n, p in ref.named_parameters()}
-    group = get_state(model).shard_group.size
+    group, shard_rank = get_state(model).shard_group.size, get_state(model).shard_group.rank
     out: dict = {
         "full_shape_ok": all(shardkit.full_shape(p) == ref_shapes[n]
                              for n, p in model.named_parameters()),
-        "local_shape_ok": all(p.shape == ((-(-ref_shapes[n][0] // group), *ref_shapes[n][1:])
-                                          if ref_shapes[n] else ())
-                              for n, p in model.named_parameters()),
+        # A parameter is a DTensor of the whole shape; its local tensor is torch.chunk's rows.
+        "local_shape_ok": all(p.shape == ref_shapes[n] and p.to_local().shape == (
+            torch.chunk(torch.empty(ref_shapes[n]), group)[shard_rank].shape
+            if ref_shapes[n] and shard_rank < len(torch.chunk(torch.empty(ref_shapes[n]), group))
+            else ((0, *ref_shapes[n][1:]) if ref_shapes[n] else ()))
+            for n, p in model.named_parameters()),
         "plain_passthrough": all(shardkit.full_shape(p) == p.shape and shardkit.full_tensor(p)
                                  .data_ptr() == p.data_ptr() for p in ref.parameters()),
         "full_shape_sends": shardkit.comm_stats(model)["calls"].get("all_gather", 0),

@@ -148,10 +148,10 @@ def api_checks(rank: int, world: int) -> dict:
                  "info": sharding_info(model), "views": []}
     for v in shard_views(model):
         full = dict(ref.named_parameters())[v.fqn].detach().reshape(-1)
-        mine = v.param.detach().reshape(-1)  # the contract: flat offsets into the full tensor
+        mine = v.local.reshape(-1)  # the contract: flat offsets into the full tensor
         out["views"].append({
             "fqn": v.fqn, "numel": full.numel(), "shape": tuple(v.full_shape),
-            "local_shape": tuple(v.param.shape), "shard_numel": v.shard_numel, "offset": v.offset,
+            "local_shape": tuple(v.local.shape), "shard_numel": v.shard_numel, "offset": v.offset,
             "valid": v.valid_numel, "shape_ok": v.full_shape == dict(ref.named_parameters())[v.fqn].shape,
             "slice_ok": torch.equal(mine[:v.valid_numel], full[v.offset:v.offset + v.valid_numel]),
             "pad_zero": bool((mine[v.valid_numel:] == 0).all()),
@@ -308,13 +308,13 @@ def fsdp2_compare(rank: int, world: int) -> dict:
             out["fsdp2_grad_ratio"] = (full_t["embed.weight"].norm() / g.norm()).item()
         factor = round(out["fsdp2_grad_ratio"])
         out["grad_diffs"].append(max(
-            (v.param.grad.reshape(-1)[:v.valid_numel]
+            (v.as_rows(v.param.grad).reshape(-1)[:v.valid_numel]
              - full_t[v.fqn].reshape(-1)[v.offset:v.offset + v.valid_numel] / factor).abs().max().item()
             for v in shard_views(ours)))
         # Both shard along dim 0: this rank's rows are FSDP2's local tensor (plus padding rows).
         local_t = {n: p.grad.to_local() for n, p in theirs.named_parameters()}
         out.setdefault("local_rows_diffs", []).append(max(
-            (p.grad[:local_t[n].shape[0]] - local_t[n] / factor).abs().max().item()
+            (p.grad.to_local() - local_t[n] / factor).abs().max().item()
             if local_t[n].numel() else 0.0 for n, p in ours.named_parameters()))
         out["local_dims_as_fsdp2"] = all(
             p.shape[1:] == local_t[n].shape[1:] and p.shape[0] >= local_t[n].shape[0]
@@ -494,12 +494,13 @@ def gpu_suite(rank: int, world: int) -> dict:
 
 class LazyLikeCPU(CPUBackend):
     """gloo, declaring what a lazy-tensor device declares: no storage resize, no async
-    collectives, compiler barriers, and a shard alignment of 4 elements."""
+    collectives, compiler barriers, a shard alignment of 4 elements, and no torch process group
+    to build a DeviceMesh on (so parameters stay plain padded rows, as on XLA)."""
 
     name = "cpu-lazy-like"
     capabilities = Capabilities(has_streams=False, async_collectives=False,
                                 supports_storage_resize=False, shard_alignment=4,
-                                needs_compiler_barrier=True)
+                                needs_compiler_barrier=True, torch_process_group=False)
     barriers = 0
 
     def compiler_barrier(self, tensors):

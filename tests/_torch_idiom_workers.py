@@ -14,6 +14,8 @@ from torch.nn.utils import clip_grad_norm_ as clip_imported_early  # bound befor
 import shardkit
 from shardkit.errors import ShardedStateDictWarning, ShardkitError
 from shardkit.sharding.torch_norms import _ORIGINAL_TOTAL_NORM
+from shardkit.sharding.whole_view import local_of
+from torch.distributed.tensor import DTensor
 
 from _models import Block, TinyNet, batch, global_batch
 from _sharding_workers import full_params, max_diff
@@ -63,7 +65,7 @@ def clip_run(rank: int, world: int, how: str, norm_type: float, strategy: str = 
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     out: dict = {"norms": [], "ref_norms": [], "losses": [], "ref_losses": []}
     # An EMA of the weights kept the usual way, one tensor per parameter: on a sharded model
-    # it holds rows, which is exact (elementwise) and gathers like the parameter does.
+    # each average is a DTensor laid out like its parameter; full_tensor() is the whole one.
     ema = {p: p.detach().clone() for p in model.parameters()}
     ref_ema = {p: p.detach().clone() for p in ref.parameters()}
     for step in range(STEPS):
@@ -72,7 +74,8 @@ def clip_run(rank: int, world: int, how: str, norm_type: float, strategy: str = 
         loss.backward()
         if step == 0:  # what torch's own function makes of this rank's rows alone
             grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
-            out["rows_norm"] = float(_ORIGINAL_TOTAL_NORM([g for _, g in grads], norm_type))
+            out["rows_norm"] = float(_ORIGINAL_TOTAL_NORM([local_of(g) for _, g in grads],
+                                                          norm_type))
             # ... and of the whole gradients, gathered: an independent answer for this model
             out["gathered_norm"] = float(_ORIGINAL_TOTAL_NORM(
                 [shardkit.full_tensor(p, g) for p, g in grads], norm_type))
@@ -91,22 +94,41 @@ def clip_run(rank: int, world: int, how: str, norm_type: float, strategy: str = 
             for averages in (ema, ref_ema):
                 for p, avg in averages.items():
                     avg.mul_(0.9).add_(p.detach(), alpha=0.1)
-    out["ema_diff"] = max((shardkit.full_tensor(p, ema[p]) - ref_ema[q]).abs().max().item()
+    out["ema_diff"] = max((whole(ema[p]) - ref_ema[q]).abs().max().item()
                           for p, q in zip(model.parameters(), ref.parameters()))
-    out["counts"] = (sum(shardkit.full_shape(p).numel() for p in model.parameters()),
-                     sum(p.numel() for p in ref.parameters()))
+    out["counts"] = (sum(p.numel() for p in model.parameters()),
+                     sum(p.numel() for p in ref.parameters()),
+                     sum(shardkit.full_shape(p).numel() for p in model.parameters()))
+    out["shapes_whole"] = [p.shape for p in model.parameters()] == [p.shape for p in ref.parameters()]
     out["param_diff"] = max_diff(full_params(model), ref)
-    out["grad_norm_log"] = _grad_norm_log(model, ref, rank, world)
+    out["grad_norm_log"] = _grad_norm_log(model, ref, rank, world, out)
     return out
 
 
-def _grad_norm_log(model: torch.nn.Module, ref: torch.nn.Module, rank: int, world: int) -> float:
-    """Per-parameter gradient norms as a logger computes them, through shardkit.full_tensor."""
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a value computed from sharded parameters, as FSDP2 users write it."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _grad_norm_log(model: torch.nn.Module, ref: torch.nn.Module, rank: int, world: int,
+                   out: dict) -> float:
+    """Per-parameter gradient norms as a logger computes them: p.grad.norm(), made whole."""
     x, y = batch(99, rank)
     F.cross_entropy(model(x), y).backward()
     gx, gy = global_batch(99, world)
     F.cross_entropy(ref(gx), gy).backward()
-    ours = {n: shardkit.full_tensor(p, p.grad).norm().item() for n, p in model.named_parameters()}
+    first = next(model.parameters())
+    try:  # the bare idiom: this rank's part, refused rather than returned
+        out["bare_item"] = first.grad.norm().item()
+    except ShardkitError as exc:
+        out["bare_item"] = str(exc)
+    ours = {n: whole(p.grad.norm()).item() for n, p in model.named_parameters()}
+    try:
+        vector = torch.nn.utils.parameters_to_vector(p.grad for p in model.parameters())
+        ref_vector = torch.nn.utils.parameters_to_vector(p.grad for p in ref.parameters())
+        out["to_vector"] = (whole(vector) - ref_vector).abs().max().item()
+    except RuntimeError as exc:  # torch's own refusal for rows that do not divide evenly
+        out["to_vector"] = str(exc)
     return max(abs(ours[n] - p.grad.norm().item()) for n, p in ref.named_parameters())
 
 

@@ -46,7 +46,14 @@ def test_persistent_memory_equals_held_tensors_and_rss():
         assert planned.persistent["total"] >= 40 * 2**20  # large against the process's noise
         for rank, result in enumerate(results):
             m = result["memory"][i]
-            assert m["held"] == planned.persistent, (case, rank)
+            # Parameters and gradients are padded shards on every rank; optimizer state is
+            # made by torch from each DTensor's real rows, so ranks with fewer rows hold less
+            # (the plan is the fullest rank's, rank 0's).
+            held, plan = m["held"], planned.persistent
+            assert (held["params"], held["grads"]) == (plan["params"], plan["grads"]), (case, rank)
+            assert held["optimizer"] <= plan["optimizer"], (case, rank)
+            if rank == 0:
+                assert held == plan, case
             # RSS from before building the model to after optimizer.step(), the engine's
             # buffer pool cleared (transient communication buffers, not state).
             assert abs(m["rss_delta"] - planned.persistent["total"]) <= \

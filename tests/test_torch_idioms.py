@@ -3,7 +3,9 @@
 Gradient clipping through torch.nn.utils (clip_grad_norm_ by attribute or imported before
 shard(), get_total_norm + clip_grads_with_norm_, clip_grad_value_) clips by the whole model's norm
 and trains like the unsharded model for 20 steps; state_dict()/load_state_dict() never move half
-a model silently. Parameter counts (p.numel()) are still this rank's rows: see docs/coming-from.md.
+a model silently; parameters are DTensors of the whole shape, so p.numel() and p.shape count the
+whole model, an EMA's full_tensor() is the whole average, and p.grad.norm().item() (this rank's part
+of a sum) is refused naming .full_tensor(). See docs/coming-from.md.
 """
 
 from __future__ import annotations
@@ -31,7 +33,16 @@ def _check_clip(results: list[dict], how: str) -> None:
         assert r["param_diff"] <= 1e-4, r["param_diff"]
         assert r["grad_norm_log"] <= 1e-5
         assert r["ema_diff"] <= 1e-4
-        assert r["counts"][0] == r["counts"][1]
+        assert r["counts"][0] == r["counts"][1] == r["counts"][2]  # p.numel(): the whole model
+        assert r["shapes_whole"]
+        if isinstance(r["bare_item"], str):  # a sharded parameter: refused, naming the fix
+            assert "full_tensor()" in r["bare_item"] and "HINT" in r["bare_item"]
+        else:  # whole parameters (NO_SHARD): torch's own value
+            assert isinstance(r["bare_item"], float)
+        if isinstance(r["to_vector"], str):
+            assert "unevenly sharded" in r["to_vector"] and "redistribute" in r["to_vector"]
+        else:
+            assert r["to_vector"] <= 1e-5
     # The global loss (mean over the ranks' equal batches) is the unsharded model's, every step.
     for step in range(STEPS):
         mean = sum(r["losses"][step] for r in results) / len(results)

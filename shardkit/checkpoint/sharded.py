@@ -12,6 +12,7 @@ import torch
 
 from .. import __version__
 from ..sharding.views import ShardView, sharding_info
+from ..sharding.whole_view import local_of
 from . import collective, manifest as mf
 from .dcp_io import FlatChunk, load_chunks, save_chunks
 from .disk_full import name_a_full_disk
@@ -42,9 +43,11 @@ def _check_weights_only(obj: Any, what: str) -> bytes:
     return buf.getvalue()
 
 
-def _chunk(local: torch.Tensor, view: ShardView) -> FlatChunk:
+def _chunk(local: torch.Tensor, view: ShardView, reading: bool = False) -> FlatChunk:
     # Shards keep their parameter's dimensions; on disk each is its flat slice of the flattened
     # full tensor (a view, so loading fills `local` in place).
+    if reading and view.replicated:  # every rank holds it; shard rank 0 wrote it
+        return FlatChunk(local.detach().view(-1), 0, _numel(view.full_shape))
     return FlatChunk(local.detach().view(-1)[:view.valid_numel], view.offset,
                      _numel(view.full_shape))
 
@@ -71,10 +74,11 @@ def _optimizer_state(model, optimizer):
         for view in views:
             for key, value in optimizer.state.get(view.param, {}).items():
                 if is_shard_state(value, view):
-                    shards[(view.fqn, key)] = (view, value)
+                    shards[(view.fqn, key)] = (view, view.as_rows(value.detach()))
                 else:
                     small.setdefault(view.fqn, {})[key] = (
-                        value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value)
+                        local_of(value).detach().cpu().clone() if isinstance(value, torch.Tensor)
+                        else value)
     return shards, small, groups
 
 
@@ -105,7 +109,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         if e.view is not None:
             # An empty parameter still needs one (empty) chunk for DCP to record it.
             if _writes(e.view) or (e.numel == 0 and ctx.rank == 0):
-                chunks[MODEL_PREFIX + e.name] = _chunk(e.view.param, e.view)
+                chunks[MODEL_PREFIX + e.name] = _chunk(e.view.local, e.view)
         elif ctx.rank == 0:
             assert e.buffer is not None  # an Entry is a parameter or a buffer
             chunks[MODEL_PREFIX + e.name] = FlatChunk(e.buffer.detach().reshape(-1), 0, e.numel)
@@ -263,7 +267,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
         if e.name not in found:
             continue  # strict=False: the model keeps what it has
         if e.view is not None:
-            chunks[MODEL_PREFIX + e.name] = _chunk(e.view.param.data, e.view)
+            chunks[MODEL_PREFIX + e.name] = _chunk(e.view.local, e.view, reading=True)
         else:
             assert e.buffer is not None  # an Entry is a parameter or a buffer
             if e.buffer.is_contiguous():
@@ -325,14 +329,25 @@ def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: di
         out_groups.append({**{k: v for k, v in saved.items() if k != "params"},
                            "params": list(range(index, index + len(views)))})
         for view in views:
-            per_param = dict(state["optim_small"].get(view.fqn, {}))
+            per_param = {key: _small_state(key, value, view)
+                         for key, value in state["optim_small"].get(view.fqn, {}).items()}
             for key, md in shard_keys.get(view.fqn, []):
                 # Shaped like the shard, also for checkpoints written when shards were 1-D.
-                target = torch.zeros(view.param.shape, dtype=dtype_from_name(md["dtype"]),
-                                     device=view.param.device)
+                target = torch.zeros(view.local.shape, dtype=dtype_from_name(md["dtype"]),
+                                     device=view.local.device)
                 chunks[key] = _chunk(target, view)
-                per_param[md["state"]] = target
+                per_param[md["state"]] = view.as_user(target)  # its rows are views of target
             if per_param:
                 out_state[index] = per_param
             index += 1
     return {"state": out_state, "param_groups": out_groups}
+
+
+def _small_state(key: str, value: Any, view: ShardView) -> Any:
+    """A small optimizer state value as the optimizer holds it: a 0-d parameter's tensor state laid
+    out like the parameter (a DTensor where the parameter is one); counters such as "step"
+    stay plain, as torch's own optimizer.load_state_dict treats that key."""
+    if (key != "step" and isinstance(value, torch.Tensor) and value.shape == view.param.shape
+            and value.shape == view.local.shape):
+        return view.as_user(value.to(view.local.device))
+    return value

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..planner.optimizers import STATE_TENSORS_PER_PARAM
+from ..sharding.param_access import held_numel
+from ..sharding.whole_view import local_of
 
 MB = 1024 * 1024
 
@@ -15,7 +17,15 @@ def unsharded_state_bytes(num_params: int, optimizer: str, dtype_bytes: int = 4)
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    # A sharded parameter's grad and optimizer state are DTensors of the whole shape: what this
+    # rank holds is their local rows.
+    return local_of(t).numel() * t.element_size()
+
+
+def _param_nbytes(p: torch.Tensor) -> int:
+    # The engine keeps a parameter's shard as padded rows (the DTensor views the real ones), and
+    # its gradient is a view of the padded reduce output: both hold shard_numel elements.
+    return held_numel(p) * p.element_size()
 
 
 def measured_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -23,8 +33,8 @@ def measured_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     states = [t for p in params for t in optimizer.state.get(p, {}).values()
               if isinstance(t, torch.Tensor) and t.shape == p.shape]
-    out = {"params": sum(_nbytes(p) for p in params),
-           "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+    out = {"params": sum(_param_nbytes(p) for p in params),
+           "grads": sum(_param_nbytes(p) for p in params if p.grad is not None),
            "optimizer": sum(_nbytes(t) for t in states)}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out

@@ -20,6 +20,7 @@ from .groups import GroupMaker, make_groups, shard_group_size
 from .materialize import has_meta, materialize
 from .module_api import STATE_ATTR, sharded_class
 from .param_access import is_sharded_param, remember_params
+from .whole_view import make_mesh, refuse_partial_items
 from . import state_dict_hooks, torch_norms
 from .param import ShardedParam
 from .plan import ParamPlan, all_param_plans, plan_units
@@ -148,6 +149,8 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
                        replica_group, config, ranks_per_node=ctx.env.local_world_size or None)
     maker.release_with(state)
     shard_device = torch.device("cpu") if config.cpu_offload else device
+    mesh = make_mesh(ctx.world, shard_group, replica_group, device.type, shard_device.type,
+                     be.capabilities.torch_process_group)
     by_param: dict[int, ShardedParam] = {}
 
     def make(plan: ParamPlan, value: nn.Parameter) -> None:
@@ -156,7 +159,7 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
                                  requires_grad=value.requires_grad)
         sp = ShardedParam(plan.fqns, plan.owners, value, shard_group,
                           be.capabilities.shard_alignment, shard_device, device,
-                          config.compute_dtype(value.dtype), be)
+                          config.compute_dtype(value.dtype), be, mesh)
         sp.register(unsharded=False)  # drops the module's reference to the full tensor
         by_param[id(plan.param)] = sp
 
@@ -185,10 +188,12 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     for unit in state.units:
         hooks.install(unit)
     if not sync:
-        check_replicas([(sp.fqn, sp.sharded) for sp in state.iter_params()], replica_group,
+        check_replicas([(sp.fqn, sp.local) for sp in state.iter_params()], replica_group,
                        list(model.named_buffers()), ctx.world, be, device)
     remember_params(state)
     torch_norms.install()  # torch's clip_grad_norm_ now sees whole parameters
+    if mesh is not None:
+        refuse_partial_items()  # p.grad.norm().item() would be this rank's part
     state_dict_hooks.install(model)
     model.__dict__[STATE_ATTR] = state
     log_sharding(model, state)

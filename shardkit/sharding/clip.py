@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from .module_api import get_state
-from .torch_norms import total_norm_of
+from .torch_norms import counted_rows, total_norm_of
+from .whole_view import local_of
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -17,10 +18,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     (sharding/torch_norms.py), then torch combines them.
     """
     state = get_state(module)
-    grads = [sp.sharded.grad for sp in state.iter_params() if sp.sharded.grad is not None]
+    params = [sp for sp in state.iter_params() if sp.sharded.grad is not None]
     with torch.no_grad():
-        total = total_norm_of(grads, [state] * len(grads), norm_type)
+        total = total_norm_of([counted_rows(sp.sharded.grad, sp, state) for sp in params],
+                              [state] * len(params), norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
+    for g in (local_of(sp.sharded.grad) for sp in params):
         g.detach().mul_(coef.to(g.device, g.dtype))
     return total

@@ -179,7 +179,9 @@ def pack_grads(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | No
             chunks.append(torch.zeros(p.padded_numel, dtype=dtype, device=device))
             continue
         flat = grad.reshape(-1)
-        if p.numel and -(-p.numel // group_size) == p.shard_numel:
+        if p.replicated_scalar:  # every rank's slot: each receives the whole sum (whole_view.py)
+            chunks.append(flat.repeat(group_size))
+        elif p.numel and -(-p.numel // group_size) == p.shard_numel:
             chunks.append(flat)  # _chunk_cat pads the last shards exactly as the layout does
         else:  # aligned shards are wider than _chunk_cat's ceil(numel / group): pad by hand
             chunks.append(torch.nn.functional.pad(flat, (0, p.padded_numel - p.numel)))
@@ -257,7 +259,7 @@ def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backen
         pool.give(pending.input)
     params = pending.params
     # Cast (and move, with cpu_offload) the whole row once, then hand out views of it.
-    masters = {(p.sharded.dtype, p.sharded.device) for p in params}
+    masters = {(p.local.dtype, p.local.device) for p in params}
     if len(masters) == 1:
         dtype, dev = masters.pop()
         out = out.to(device=dev, dtype=dtype)

@@ -91,24 +91,36 @@ class ShardedModule:
         model.to(torch.bfloat16) made bf16 master weights with fp32 compute, silently. A call
         that changes nothing (model.to(the same device), share_memory()) goes through.
         """
-        for sp in get_state(self).iter_params():
-            moved = fn(sp.sharded)
-            if moved.dtype != sp.sharded.dtype:
+        params = list(get_state(self).iter_params())
+        for sp in params:
+            moved = fn(sp.local)
+            if moved.dtype != sp.local.dtype:
                 raise ShardkitError(
-                    f"changing the dtype of a sharded model ({sp.sharded.dtype} -> {moved.dtype}, "
+                    f"changing the dtype of a sharded model ({sp.local.dtype} -> {moved.dtype}, "
                     "e.g. model.to(dtype), .half(), .bfloat16()) after shardkit.shard() is not "
                     "supported: the shards are the optimizer's master weights and the engine's "
                     "compute dtype was fixed at shard(). HINT: for "
-                    f"{moved.dtype} compute with {sp.sharded.dtype} master weights, pass "
+                    f"{moved.dtype} compute with {sp.local.dtype} master weights, pass "
                     f"mixed_precision=shardkit.MixedPrecision(param_dtype={moved.dtype}) to "
                     f"shard(); for {moved.dtype} master weights, convert the model before shard()")
-            if moved.device != sp.sharded.device:
+            if moved.device != sp.local.device:
                 raise ShardkitError(
-                    f"moving a sharded model ({sp.sharded.device} -> {moved.device}, e.g. "
+                    f"moving a sharded model ({sp.local.device} -> {moved.device}, e.g. "
                     "model.to(device), .cpu()) after shardkit.shard() is not supported: the "
                     "engine's devices were fixed at shard(). HINT: pass device_id= to shard() "
                     "for the compute device, or cpu_offload=True to keep the shards on the host")
-        return super()._apply(fn, recurse)  # type: ignore[misc]
+        # torch would swap a DTensor parameter's contents (swap_tensors), which the weak
+        # references shardkit keeps to it forbid; `fn` changes nothing there (checked above, and
+        # already applied to the rows it views), so those parameters sit the call out.
+        away = [(module, name, sp.sharded) for sp in params if sp.is_whole
+                for module, name in sp.owners if module._parameters.get(name) is sp.sharded]
+        for module, name, _ in away:
+            module._parameters[name] = None
+        try:
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+        finally:
+            for module, name, param in away:
+                module._parameters[name] = param
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """Refuse with a hint: the parameters are this rank's shards, tied to live process groups."""

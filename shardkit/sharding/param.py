@@ -6,7 +6,10 @@ dimensions (a (32, 16) weight is a (rows_per_rank, 16) tensor) because training 
 on them: a weight-decay rule on `p.dim() >= 2` silently decays nothing when shards are 1-D.
 Flattened, rank r's shard is elements [r*shard_numel, (r+1)*shard_numel) of the row-major,
 right-padded parameter, so every collective works on flat views as before.
-The sharded nn.Parameter (what the optimizer owns) is registered on the owning module(s) outside
+The engine keeps each shard as that plain padded tensor (`local`); the sharded nn.Parameter (what
+the optimizer owns) is either the same rows or, where a DeviceMesh exists, a DTensor of the whole
+parameter whose local tensor is a view of `local`'s real rows (sharding/whole_view.py: torch's
+idioms then see whole parameters). It is registered on the owning module(s) outside
 forward/backward; the unsharded nn.Parameter (full shape, compute dtype) is registered while the
 unit computes. The unsharded one is the same Python object for the whole run, so tensors autograd
 saved in forward see the data again once it is re-gathered for backward.
@@ -14,12 +17,15 @@ saved in forward see the data again once it is re-gathered for backward.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from ..backend import Backend
 from ..handles import Group
 from .layout import shard_layout
+from .whole_view import local_of, placements, whole
 
 
 class ShardedParam:
@@ -27,7 +33,8 @@ class ShardedParam:
 
     def __init__(self, fqns: list[str], owners: list[tuple[nn.Module, str]], orig: nn.Parameter,
                  shard_group: Group, alignment: int, shard_device: torch.device,
-                 compute_device: torch.device, compute_dtype: torch.dtype, backend: Backend) -> None:
+                 compute_device: torch.device, compute_dtype: torch.dtype, backend: Backend,
+                 mesh: Any = None) -> None:
         self.fqns = fqns  # every name this parameter has (more than one when tied inside a unit)
         self.owners = owners  # (module, attribute) pairs to register the parameter on
         self.full_shape = orig.shape
@@ -38,14 +45,21 @@ class ShardedParam:
         self.requires_grad = orig.requires_grad
         self._backend = backend
         self.group_size = shard_group.size
-        layout = shard_layout(orig.shape, shard_group.size, alignment)
+        # A DTensor's Shard(0) is torch.chunk's split: no alignment may widen the rows there.
+        layout = shard_layout(orig.shape, shard_group.size, 1 if mesh is not None else alignment)
         self.padded_numel, self.shard_numel = layout.padded_numel, layout.shard_numel
         self.shard_shape = torch.Size(layout.shard_shape)
         self.offset = shard_group.rank * self.shard_numel
         self.valid_numel = max(0, min(self.shard_numel, self.numel - self.offset))
-        self.sharded = nn.Parameter(
-            torch.zeros(self.shard_shape, dtype=self.master_dtype, device=shard_device),
-            requires_grad=orig.requires_grad)
+        rows = self.full_shape[0] if self.full_shape else 1
+        self.valid_rows = max(0, min(layout.rows_per_rank, rows - shard_group.rank * layout.rows_per_rank))
+        self.mesh = mesh
+        self._placements = placements(mesh, len(self.full_shape)) if mesh is not None else ()
+        # Under a mesh a 0-d parameter is Replicate(): every rank holds its value, not rank 0 alone.
+        self.replicated_scalar = mesh is not None and not self.full_shape
+        # The engine's shard: padded rows, what collectives read and the optimizer's updates land in.
+        self.local = torch.zeros(self.shard_shape, dtype=self.master_dtype, device=shard_device)
+        self.sharded = nn.Parameter(self.as_user(self.local), requires_grad=orig.requires_grad)
         self.is_meta = orig.device.type == "meta"
         if not self.is_meta:
             self.load_full(orig.detach())
@@ -66,6 +80,36 @@ class ShardedParam:
         """The first (state_dict-order) name of this parameter."""
         return self.fqns[0]
 
+    @property
+    def is_whole(self) -> bool:
+        """True when the sharded parameter is a DTensor of the whole parameter (a mesh exists)."""
+        return self.mesh is not None
+
+    @property
+    def user_shape(self) -> torch.Size:
+        """The shape of the sharded parameter's own rows (a DTensor's local tensor: no padding)."""
+        if self.mesh is None or not self.full_shape:
+            return self.shard_shape
+        return torch.Size((self.valid_rows, *self.shard_shape[1:]))
+
+    def as_user(self, rows: torch.Tensor) -> torch.Tensor:
+        """What training code gets for a shard-shaped tensor: a DTensor over its real rows (no
+        copy) where a mesh exists, else the padded rows themselves."""
+        if self.mesh is None:
+            return rows
+        return whole(self.user_rows(rows), self.mesh, self._placements, self.full_shape)
+
+    def as_rows(self, value: torch.Tensor) -> torch.Tensor:
+        """The shard-shaped (padded) rows of a tensor laid out like the sharded parameter (its
+        .grad, optimizer state): a DTensor's local rows, zero-padded (a view where none are
+        missing); a plain shard-shaped tensor is returned as it is."""
+        rows = local_of(value)
+        if tuple(rows.shape) == tuple(self.shard_shape):
+            return rows
+        out = torch.zeros(self.shard_shape, dtype=rows.dtype, device=rows.device)
+        out[:rows.shape[0]].copy_(rows)
+        return out
+
     def rank_valid(self, group_rank: int) -> int:
         """How many real (non-padding) elements group rank `group_rank` holds."""
         return max(0, min(self.shard_numel, self.numel - group_rank * self.shard_numel))
@@ -73,7 +117,7 @@ class ShardedParam:
     # ---- the master shard ------------------------------------------------------------------
     def shard_flat(self) -> torch.Tensor:
         """The master shard as a flat (shard_numel,) view, outside autograd: what collectives read."""
-        return self.sharded.detach().reshape(-1)
+        return self.local.reshape(-1)
 
     def load_full(self, full: torch.Tensor) -> None:
         """Copy this rank's slice of a full tensor into the shard in place; padding becomes zero."""
@@ -83,7 +127,7 @@ class ShardedParam:
             raise ShardkitError(f"parameter {self.fqn!r} has shape {tuple(self.full_shape)} but the "
                                 f"tensor given has shape {tuple(full.shape)}")
         with torch.no_grad():
-            self._copy_mine(full, self.sharded.data)  # .data's view: the copy lands in the parameter
+            self._copy_mine(full, self.local)  # the parameter's rows are views of it
 
     def rows_of(self, full: torch.Tensor, device: torch.device) -> torch.Tensor:
         """This rank's rows of a full tensor, shaped like the shard with zero padding rows (a new tensor)."""
@@ -95,18 +139,24 @@ class ShardedParam:
         """Fill a shard-shaped tensor with this rank's elements of `full`; padding becomes zero."""
         flat = shard.view(-1)
         flat.zero_()
-        if self.valid_numel:
+        if self.replicated_scalar:
+            flat.copy_(full.detach().reshape(-1))
+        elif self.valid_numel:
             flat[:self.valid_numel].copy_(
                 full.detach().reshape(-1)[self.offset:self.offset + self.valid_numel])
 
     def accumulate_grad(self, grad: torch.Tensor) -> None:
         """Add a reduced flat gradient shard to the sharded parameter's .grad (creating it if absent)."""
-        grad = grad.view(self.shard_shape)
+        grad = grad.view(self.shard_shape).to(device=self.local.device, dtype=self.local.dtype)
         if self.sharded.grad is None:
             # A view of the reduce output is fine: that buffer is exactly the shards, per step.
-            self.sharded.grad = grad.to(device=self.sharded.device, dtype=self.sharded.dtype)
+            self.sharded.grad = self.as_user(grad)
         else:
-            self.sharded.grad.add_(grad)
+            local_of(self.sharded.grad).add_(grad if self.mesh is None else self.user_rows(grad))
+
+    def user_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The part of shard-shaped `rows` a DTensor parameter's local tensor covers (its real rows)."""
+        return rows if self.mesh is None or not self.full_shape else rows[:self.valid_rows]
 
     # ---- the gathered full tensor ------------------------------------------------------------
     def alloc_unsharded(self) -> None:

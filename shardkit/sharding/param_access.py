@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ShardkitError
+from .whole_view import is_dtensor
 
 if TYPE_CHECKING:
     from .param import ShardedParam
@@ -48,13 +49,13 @@ def _lookup(param: torch.Tensor) -> tuple["ShardedParam", "ShardState"] | None:
     return None if sp is None or state is None else (sp, state)
 
 
-def grad_owners() -> dict[int, "ShardState"]:
-    """id(.grad) -> engine state, for every live shard that has a gradient now."""
-    owners: dict[int, "ShardState"] = {}
-    for param_ref, _, state_ref in list(_REGISTRY.values()):
-        param, state = param_ref(), state_ref()
-        if param is not None and state is not None and param.grad is not None:
-            owners[id(param.grad)] = state
+def grad_owners() -> dict[int, tuple["ShardState", "ShardedParam"]]:
+    """id(.grad) -> (engine state, ShardedParam), for every live shard that has a gradient now."""
+    owners: dict[int, tuple["ShardState", "ShardedParam"]] = {}
+    for param_ref, sp_ref, state_ref in list(_REGISTRY.values()):
+        param, sp, state = param_ref(), sp_ref(), state_ref()
+        if param is not None and sp is not None and state is not None and param.grad is not None:
+            owners[id(param.grad)] = (state, sp)
     return owners
 
 
@@ -67,6 +68,13 @@ def full_shape(param: torch.Tensor) -> torch.Size:
     """The parameter's shape before shard() (its own shape if it is not sharded); no communication."""
     found = _lookup(param)
     return param.shape if found is None else found[0].full_shape
+
+
+def held_numel(param: torch.Tensor) -> int:
+    """Elements this rank keeps for a parameter: its padded shard's for a sharded one (a DTensor
+    counts only the real rows it views), its own numel() otherwise."""
+    found = _lookup(param)
+    return param.numel() if found is None else found[0].shard_numel
 
 
 def full_tensor(param: torch.Tensor, local: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,6 +90,11 @@ def full_tensor(param: torch.Tensor, local: torch.Tensor | None = None) -> torch
     if found is None:
         return local
     sp, state = found
+    if is_dtensor(local):
+        if local.shape != sp.full_shape:
+            raise ShardkitError(f"full_tensor({sp.fqn!r}): the DTensor given has shape "
+                                f"{tuple(local.shape)}, the parameter {tuple(sp.full_shape)}")
+        return local.full_tensor()
     if local.shape != sp.shard_shape:
         raise ShardkitError(f"full_tensor({sp.fqn!r}): the tensor given has shape "
                             f"{tuple(local.shape)}, this rank's shard has {tuple(sp.shard_shape)}. "
@@ -107,4 +120,4 @@ def local_shard(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         raise ShardkitError(f"local_shard({sp.fqn!r}): the tensor given has shape "
                             f"{tuple(full.shape)}, the parameter's full shape is "
                             f"{tuple(sp.full_shape)}. HINT: pass a tensor of full_shape(param)")
-    return sp.rows_of(full, param.device)
+    return sp.as_user(sp.rows_of(full, sp.local.device))

@@ -165,5 +165,5 @@ def check_model_replicas(model: torch.nn.Module) -> None:
     from .module_api import get_state
 
     state = get_state(model)
-    check_replicas([(sp.fqn, sp.sharded) for sp in state.iter_params()], state.replica_group,
+    check_replicas([(sp.fqn, sp.local) for sp in state.iter_params()], state.replica_group,
                    list(model.named_buffers()), state.world, state.backend, state.device)

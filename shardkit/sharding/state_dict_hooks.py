@@ -1,17 +1,19 @@
 """torch's state_dict()/load_state_dict() on a sharded model: never half a model, silently.
 
-After shard() each parameter is this rank's rows, so `model.state_dict()` holds rows, not the
-model. Three habits would go wrong without a word (issue 40):
+After shard() each parameter is a DTensor whose local tensor is this rank's rows (or, without a
+mesh, the rows themselves: sharding/whole_view.py), so `model.state_dict()` holds this rank's part
+of the model: each value's `.full_tensor()` (collective) is the whole tensor, as with FSDP2.
+Three habits would go wrong without a word (issue 40):
 
-- `torch.save(model.state_dict())` on rank 0, the DDP habit, writes half a model. The first
-  such call warns (ShardedStateDictWarning, once per model) naming the whole-model calls, and
-  the dict is tagged in its `_metadata` (which torch.save keeps) with the rank and group size
-  whose rows it holds.
+- `torch.save(model.state_dict())` on rank 0, the DDP habit, writes one rank's part of the
+  model. The first such call warns (ShardedStateDictWarning, once per model) naming the
+  whole-model calls, and the dict is tagged in its `_metadata` (which torch.save keeps) with
+  the rank and group size whose rows it holds.
 - Loading that dict into a sharded model would copy rank 0's rows into every rank. A tagged
   dict loads only into the rank and group size that wrote it; any other is refused, naming both.
 - `model.load_state_dict(full_state_dict)` (a checkpoint of the unsharded model) would fail on
-  shapes. A tensor of the parameter's full shape is cut to this rank's rows (no communication),
-  as shardkit.checkpoint.load_full_state_dict does.
+  shapes or types. A plain tensor of the parameter's full shape is cut to this rank's rows (no
+  communication), as shardkit.checkpoint.load_full_state_dict does.
 
 Both hooks are module-level functions registered on the sharded model itself, so they live and
 die with it, and they work whether the model is loaded directly or as a child of another module.
@@ -26,6 +28,7 @@ from torch import nn
 
 from ..errors import ShardedStateDictWarning, ShardkitError
 from .module_api import get_state
+from .whole_view import is_dtensor, local_of
 
 TAG = "shardkit_shard"  # key in the sharded module's state_dict _metadata entry
 
@@ -50,8 +53,8 @@ def _tag_rows(module: nn.Module, state_dict: dict, prefix: str, local_metadata: 
         state.warned_state_dict = True
         warnings.warn(
             f"state_dict() of a model sharded by shardkit holds rank {state.shard_group.rank}'s "
-            f"rows of each parameter (1 of {state.shard_group.size} shards), not the whole "
-            "model: torch.save of it on one rank is not a full checkpoint. HINT: "
+            f"rows of each parameter (1 of {state.shard_group.size} shards; a DTensor's "
+            ".full_tensor() is collective), not the whole model: torch.save of it on one rank is not a full checkpoint. HINT: "
             "shardkit.checkpoint.full_state_dict(model) on every rank gives rank 0 the whole "
             "model's dict; shardkit.checkpoint.save(path, model, optimizer) writes a checkpoint "
             "that loads at any world size", ShardedStateDictWarning, stacklevel=3)
@@ -70,18 +73,24 @@ def _cut_to_rows(module: nn.Module, state_dict: dict, prefix: str, local_metadat
         value = state_dict.get(prefix + fqn)
         if not isinstance(value, torch.Tensor):
             continue  # absent: torch reports missing keys as usual
+        rows = local_of(value)  # a DTensor's local rows; a plain tensor itself
         if tag is not None:
-            if (tag.get("rank"), tag.get("group_size")) != mine or value.shape != sp.shard_shape:
+            if ((tag.get("rank"), tag.get("group_size")) != mine
+                    or tuple(rows.shape) not in (tuple(sp.shard_shape), tuple(sp.user_shape))):
                 raise ShardkitError(
                     f"this state dict holds shard {tag.get('rank')} of {tag.get('group_size')} "
                     f"(one rank's rows, from state_dict() of a sharded model; {fqn!r} is "
-                    f"{tuple(value.shape)}), but this rank holds shard {mine[0]} of {mine[1]}: "
+                    f"{tuple(rows.shape)}), but this rank holds shard {mine[0]} of {mine[1]}: "
                     "loading it would put another rank's rows here. HINT: save the whole model "
                     "with shardkit.checkpoint.full_state_dict(model) (every rank calls it) and "
                     "load that dict, or use shardkit.checkpoint.save/load, which reshard across "
                     "world sizes")
-        elif value.shape == sp.full_shape:
-            state_dict[prefix + fqn] = sp.rows_of(value, value.device)
+            state_dict[prefix + fqn] = sp.as_user(sp.as_rows(value).to(sp.local.device))
+        elif value.shape == sp.full_shape and not is_dtensor(value):
+            state_dict[prefix + fqn] = sp.as_user(sp.rows_of(value, sp.local.device))
+        elif is_dtensor(value) and value.shape == sp.full_shape and rows.shape == sp.user_shape:
+            # Untagged (made by hand): its local rows are taken to be this rank's.
+            state_dict[prefix + fqn] = sp.as_user(sp.as_rows(value).to(sp.local.device))
         else:
             raise ShardkitError(
                 f"state_dict[{prefix + fqn!r}] has shape {tuple(value.shape)}, but the parameter "

@@ -1,6 +1,7 @@
 """torch's gradient clipping sees whole parameters: clip_grad_norm_ and get_total_norm over shards.
 
-After shard() a parameter's .grad is this rank's rows, so torch.nn.utils.clip_grad_norm_ (what
+A shard's gradient is this rank's rows (plain, or the local rows of a DTensor: sharding/
+whole_view.py), so torch.nn.utils.clip_grad_norm_ (what
 nanoGPT, transformers' Trainer, accelerate and Lightning call) would take each rank's own norm
 and clip every rank by a different factor, with no error: the model trains differently from
 the one the user wrote. torch's clip_grad_norm_ reads the module global `_get_total_norm` at
@@ -9,7 +10,8 @@ every caller, including scripts that imported clip_grad_norm_ before shardkit.
 
 The replacement recognises a sharded gradient by identity (the .grad of a live shard), takes
 per-tensor norms of this rank's rows as torch does, turns them into the whole parameters'
-norms over the shard group (one collective per group and call), and then combines every
+norms over the shard group (one collective per group and call, where DTensor's own norms
+would run one per tensor, and refuse an inf norm over a rank with no rows), then combines every
 tensor's norm exactly as torch does; gradients that are not shards pass through unchanged, and a
 call that has none is torch's own. Padding rows are zero, so they add nothing to any norm of
 positive order; a negative order (a minimum, which padding would make zero) is refused.
@@ -129,10 +131,25 @@ def _whole_norms(local: list[torch.Tensor], norm_type: float, state: Any) -> lis
     return [w.to(n.device, n.dtype) for w, n in zip(whole.unbind(0), local)]
 
 
-def _owners_of(tensors: list[torch.Tensor]) -> list[Any]:
-    """For each tensor, the engine state whose shard's .grad it is, or None."""
+def counted_rows(grad: torch.Tensor, sp: Any, state: Any) -> torch.Tensor:
+    """The rows of a shard's gradient this rank counts in a norm: its padded rows (zero padding
+    adds nothing; a DTensor's local rows may be empty, which an inf-norm kernel refuses), and
+    nothing of a replicated 0-d parameter except on shard rank 0 (each rank holds all of it)."""
+    rows = sp.as_rows(grad.detach())
+    if sp.replicated_scalar and state.shard_group.rank != 0:
+        return torch.zeros_like(rows)
+    return rows
+
+
+def _counted(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
+    """Each tensor as a norm counts it (counted_rows for a shard's gradient) and its engine state."""
     by_grad = param_access.grad_owners()
-    return [by_grad.get(id(t)) for t in tensors]
+    counted, owners = [], []
+    for t in tensors:
+        found = by_grad.get(id(t))
+        counted.append(t if found is None else counted_rows(t, found[1], found[0]))
+        owners.append(None if found is None else found[0])
+    return counted, owners
 
 
 @torch.no_grad()
@@ -140,8 +157,8 @@ def total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: float 
                error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """torch.nn.utils.get_total_norm, with sharded gradients counted as the whole parameters'."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    return total_norm_of(tensors, _owners_of(tensors) if tensors else [], norm_type,
-                         error_if_nonfinite, foreach)
+    counted, owners = _counted(tensors)
+    return total_norm_of(counted, owners, norm_type, error_if_nonfinite, foreach)
 
 
 def total_norm_of(tensors: list[torch.Tensor], owners: list[Any], norm_type: float = 2.0,

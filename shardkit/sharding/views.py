@@ -5,10 +5,14 @@ internals can change without touching checkpoint code:
 
 - ``ShardView`` (frozen): one parameter as checkpointing sees it. ``fqn`` is its state_dict name;
   ``full_shape``/``dtype`` the original tensor; ``param`` the sharded nn.Parameter the
-  optimizer steps (its state is keyed by it), whole rows of the original with its dimensions;
+  optimizer steps (its state is keyed by it: a DTensor of the whole parameter, or plain rows);
+  ``local`` the engine's padded rows of it (whole rows of the original with its dimensions):
   this rank holds elements ``[offset, offset + valid_numel)`` of the flattened full tensor in
-  ``param.view(-1)[:valid_numel]``, the rest of its ``shard_numel`` elements being zero padding; ``shard_group``/``replica_group`` say
-  which ranks hold the other slices (replica None: no replication); tied names give one view each.
+  ``local.view(-1)[:valid_numel]``, the rest of its ``shard_numel`` elements being zero
+  padding; ``as_rows``/``as_user`` turn optimizer state laid out like ``param`` into such
+  padded rows and back; ``shard_group``/``replica_group`` say which ranks hold the other
+  slices (replica None: no replication); ``replicated``: a 0-d parameter every rank of its shard
+  group holds (and so loads), which shard rank 0 alone writes; tied names give one view each.
 - ``shard_views(model)``: every view, in state_dict order (buffers are not included: they are
   full and replicated, and read from the module as usual).
 - ``iter_unit_full_params(model)``: collective; yields ``(fqns, {fqn: full tensor})`` one unit at
@@ -22,7 +26,7 @@ internals can change without touching checkpoint code:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -42,12 +46,16 @@ class ShardView:
     full_shape: torch.Size
     dtype: torch.dtype
     param: nn.Parameter
+    local: torch.Tensor
+    as_rows: Callable[[torch.Tensor], torch.Tensor]
+    as_user: Callable[[torch.Tensor], torch.Tensor]
     shard_numel: int
     offset: int
     valid_numel: int
     shard_group: Group
     replica_group: Group | None
     requires_grad: bool
+    replicated: bool = False  # a 0-d DTensor parameter: every rank of the shard group holds it
 
 
 def shard_views(module: nn.Module) -> list[ShardView]:
@@ -59,9 +67,10 @@ def shard_views(module: nn.Module) -> list[ShardView]:
         sp = by_fqn.get(fqn)
         if sp is None:
             continue  # a buffer
-        views.append(ShardView(fqn, sp.full_shape, sp.master_dtype, sp.sharded, sp.shard_numel,
+        views.append(ShardView(fqn, sp.full_shape, sp.master_dtype, sp.sharded, sp.local,
+                               sp.as_rows, sp.as_user, sp.shard_numel,
                                sp.offset, sp.valid_numel, state.shard_group, state.replica_group,
-                               sp.requires_grad))
+                               sp.requires_grad, sp.replicated_scalar))
     return views
 
 
