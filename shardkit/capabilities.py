@@ -57,7 +57,9 @@ class Capabilities:
     # Several ranks may live as threads of one process (XLA on CPU): no process-global state.
     ranks_share_process: bool = False
     # Collectives run on a torch.distributed process group, which torch.distributed.checkpoint can
-    # coordinate through; False: checkpoints are written from host copies of the shards instead.
+    # coordinate through and a DeviceMesh can be built on (parameters are then DTensors of the
+    # whole parameter: sharding/whole_view.py); False: checkpoints are written from host copies
+    # of the shards instead, and parameters stay plain rows.
     torch_process_group: bool = True
     # Reduce ops the collectives accept for general use (the engine's own reductions use "sum").
     reduce_ops: frozenset[str] = frozenset({"sum", "max", "min"})

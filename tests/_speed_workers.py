@@ -58,7 +58,7 @@ def compile_run(rank: int, world: int) -> dict:
 def _grads_after_one_step(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
     x, y = batch(0, rank)
     F.cross_entropy(model(x), y).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {n: shardkit.full_tensor(p, p.grad) for n, p in model.named_parameters()}  # whole grads
 
 
 def _saved_activation_bytes(model: torch.nn.Module, rank: int) -> int:

@@ -2,7 +2,9 @@
 
 Layout (one job per file): policies (strategy, MixedPrecision, config), plan (which module is a
 unit, which unit owns each parameter), groups (shard / replicate groups, destroyed when their model dies), layout (a parameter's
-dim-0 row split), param (one parameter's shard and gathered tensor), param_access (global
+dim-0 row split), param (one parameter's shard and gathered tensor), whole_view (the
+DeviceMesh and the DTensor of the whole parameter training code sees; .item() of a partial
+value refused), param_access (global
 shape, full tensor and local rows of a sharded parameter, for training code), collectives
 (fused copy-in, collective, fused copy-out; divide factors), buffers (flat-buffer reuse on
 host-ordered devices), lifecycle (a unit's ShardedState / TrainingState machines), reshard

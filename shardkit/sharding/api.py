@@ -115,8 +115,10 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
       (each parameter's shard across its replicas, every buffer across all ranks) and raises,
       naming the first difference, if ranks built different values. None: True where ranks are
       threads of one process (Capabilities.ranks_share_process), else False.
-    Afterwards model.parameters() are this rank's rows of each parameter (dim-0 shards with the
-    parameter's dimensions, padded with zero rows; what the optimizer owns);
+    Afterwards each of model.parameters() (what the optimizer owns) is a DTensor of the whole
+    parameter whose local tensor is this rank's rows (dim-0 Shard over the shard group), where
+    the backend's groups are torch process groups and a shard group has 2+ ranks; otherwise the
+    plain tensor of this rank's rows (dimensions kept, zero padding rows) or the whole parameter;
     model.no_sync(), model.set_requires_gradient_sync() and model.unshard() are available, and
     the model's context (backend, groups) lives on the model, not in process-global state.
     """

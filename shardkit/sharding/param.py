@@ -151,8 +151,10 @@ class ShardedParam:
         if self.sharded.grad is None:
             # A view of the reduce output is fine: that buffer is exactly the shards, per step.
             self.sharded.grad = self.as_user(grad)
+        elif self.mesh is None:
+            self.sharded.grad.add_(grad)
         else:
-            local_of(self.sharded.grad).add_(grad if self.mesh is None else self.user_rows(grad))
+            local_of(self.sharded.grad).add_(self.user_rows(grad))
 
     def user_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The part of shard-shaped `rows` a DTensor parameter's local tensor covers (its real rows)."""
