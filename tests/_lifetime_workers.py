@@ -197,6 +197,14 @@ def probe_checkpoint(rank: int, world: int, directory: str, background: bool) ->
     return model, [optimizer, *_engine_objects(model), *full.values()]
 
 
+def _destroyed_group(obj: object) -> bool:
+    """A process group torch has shut down and forgotten. torch's DTensor dispatch keeps the
+    DeviceMeshes it has seen in its sharding caches (FSDP2's as well), and with them the Python
+    shells of their groups; destroyed, those hold no sockets, threads or communicators. The
+    group count (groups_after) checks the destroy itself."""
+    return isinstance(obj, dist.ProcessGroup) and obj not in dist.distributed_c10d._world.pg_map
+
+
 def run_probe(probe: Callable[..., tuple], *args: Any) -> dict:
     """Run `probe`, drop the model and what it made (the user still holds what it returns third,
     if anything), collect; report the survivors and group counts."""
@@ -207,7 +215,8 @@ def run_probe(probe: Callable[..., tuple], *args: Any) -> dict:
     names = [type(model).__name__] + [type(o).__name__ for o in made]
     del model, made
     collect(refs)
-    return {"alive": sorted({n for n, r in zip(names, refs) if r() is not None}),
+    return {"alive": sorted({n for n, r in zip(names, refs)
+                             if r() is not None and not _destroyed_group(r())}),
             "checked": len(refs), "groups_before": groups_before,
             "groups_with_model": groups_with_model, "groups_after": live_groups()}
 

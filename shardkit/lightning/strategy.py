@@ -26,7 +26,6 @@ from typing_extensions import override
 from ..errors import ShardkitError
 from .common import RankPlace, join_job, shard_module
 from .precision import clip_over_shards
-from .summary import count_whole_parameters
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
@@ -89,7 +88,6 @@ class ShardkitStrategy(RankPlace, ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model = self._setup_model(self.model)
         clip_over_shards(self.precision_plugin, self.model)
-        count_whole_parameters(trainer)  # the model summary counts whole parameters, not rows
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -160,6 +160,7 @@ class PendingReduce:
     plan: "ReducePlan"
     event: Any = None  # recorded on the reduce stream after the collective was queued
     pooled: bool = True  # `input` came from the buffer pool (not a direct bucket's own grad)
+    group: Group | None = None  # the shard group it reduced over
 
 
 def pack_grads(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | None],
@@ -179,9 +180,7 @@ def pack_grads(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | No
             chunks.append(torch.zeros(p.padded_numel, dtype=dtype, device=device))
             continue
         flat = grad.reshape(-1)
-        if p.replicated_scalar:  # every rank's slot: each receives the whole sum (whole_view.py)
-            chunks.append(flat.repeat(group_size))
-        elif p.numel and -(-p.numel // group_size) == p.shard_numel:
+        if p.numel and -(-p.numel // group_size) == p.shard_numel:
             chunks.append(flat)  # _chunk_cat pads the last shards exactly as the layout does
         else:  # aligned shards are wider than _chunk_cat's ceil(numel / group): pad by hand
             chunks.append(torch.nn.functional.pad(flat, (0, p.padded_numel - p.numel)))
@@ -226,7 +225,7 @@ def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, devi
                                                  **factor_kwargs(plan.scatter_factor))
         event = backend.new_event()
         event.record(stream)
-    return PendingReduce(list(params), work, out, inp, plan, event, pooled)
+    return PendingReduce(list(params), work, out, inp, plan, event, pooled, group)
 
 
 def reduced_row(pending: PendingReduce, replica: Group | None, backend: Backend,
@@ -248,7 +247,36 @@ def reduced_row(pending: PendingReduce, replica: Group | None, backend: Backend,
                            **factor_kwargs(pending.plan.replica_factor)).wait()
     if pending.plan.post_divide != 1.0:
         out.div_(pending.plan.post_divide)
+    share_replicated_scalars(pending.params, out, pending.group, backend, stats)
     return out
+
+
+def share_replicated_scalars(params: Sequence[ShardedParam], row: torch.Tensor,
+                             group: Group | None, backend: Backend, stats: CommStats | None) -> None:
+    """Give every rank of the shard group the reduced gradient of each replicated 0-d parameter.
+
+    The reduce-scatter leaves such a gradient on shard rank 0 (the others' slots are zero), but
+    every rank holds and steps the parameter (sharding/whole_view.py). One small sum over the
+    group, to which the other ranks add exact zeros, hands out rank 0's value bit for bit, so the
+    replicas stay identical (summing the gradient into every rank's slot instead would round
+    differently per slot at 3+ ranks).
+    """
+    if group is None or group.size <= 1:
+        return
+    where, offset = [], 0
+    for p, size in zip(params, row_sizes(params)):
+        if p.replicated_scalar:
+            where.append(offset)
+        offset += size
+    if not where:
+        return
+    index = torch.tensor(where, device=row.device)
+    values = row.index_select(0, index)
+    if stats is not None:
+        stats.all_reduce(values.numel() * values.element_size(), group.size,
+                         stats.crosses_node(group))
+    backend.all_reduce(values, group, op="sum", async_op=False).wait()
+    row.index_copy_(0, index, values)
 
 
 def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backend,

@@ -34,6 +34,7 @@ import torch.nn.utils.clip_grad as clip_grad_module
 
 from ..errors import ShardkitError
 from . import param_access
+from .whole_view import local_of
 
 _ORIGINAL_TOTAL_NORM: Callable[..., torch.Tensor] = clip_grad_module._get_total_norm
 _TORCH_CLIP: Callable[..., torch.Tensor] = clip_grad_module.clip_grad_norm_
@@ -132,12 +133,13 @@ def _whole_norms(local: list[torch.Tensor], norm_type: float, state: Any) -> lis
 
 
 def counted_rows(grad: torch.Tensor, sp: Any, state: Any) -> torch.Tensor:
-    """The rows of a shard's gradient this rank counts in a norm: its padded rows (zero padding
-    adds nothing; a DTensor's local rows may be empty, which an inf-norm kernel refuses), and
-    nothing of a replicated 0-d parameter except on shard rank 0 (each rank holds all of it)."""
-    rows = sp.as_rows(grad.detach())
-    if sp.replicated_scalar and state.shard_group.rank != 0:
-        return torch.zeros_like(rows)
+    """The rows of a shard's gradient this rank counts in a norm: its own rows (a DTensor's local
+    tensor; zero padding adds nothing), one zero where it has none (an inf-norm kernel refuses an
+    empty tensor), and nothing of a replicated 0-d parameter except on shard rank 0 (each rank
+    holds all of it)."""
+    rows = local_of(grad).detach()
+    if rows.numel() == 0 or (sp.replicated_scalar and state.shard_group.rank != 0):
+        return rows.new_zeros(1)
     return rows
 
 

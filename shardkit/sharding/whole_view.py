@@ -24,8 +24,9 @@ idioms need shardkit.full_shape / full_tensor.
 
 HYBRID_SHARD's mesh has two dimensions, (replicas, shard group): rows are Shard(0) inside a shard
 group and Replicate() across replicas. A 0-d parameter cannot be split by rows: it is
-Replicate() and every rank of its shard group holds its value (the gradient is packed into every
-rank's slot before the reduce-scatter, so each rank receives the whole sum: collectives.pack_grads).
+Replicate() and every rank of its shard group holds its value (its reduced gradient, which the
+reduce-scatter leaves on shard rank 0, goes to every rank in one small sum, bit for bit:
+collectives.share_replicated_scalars).
 """
 
 from __future__ import annotations
