@@ -25,7 +25,7 @@ from torch import nn
 from ..backend import Backend
 from ..handles import Group
 from .layout import shard_layout
-from .whole_view import local_of, placements, whole
+from .whole_view import local_of, placements, whole, whole_spec
 
 
 class ShardedParam:
@@ -55,6 +55,7 @@ class ShardedParam:
         self.valid_rows = max(0, min(layout.rows_per_rank, rows - shard_group.rank * layout.rows_per_rank))
         self.mesh = mesh
         self._placements = placements(mesh, len(self.full_shape)) if mesh is not None else ()
+        self._specs: dict[torch.dtype, Any] = {}  # the DTensorSpec per dtype (state may differ)
         # Under a mesh a 0-d parameter is Replicate(): every rank holds its value, not rank 0 alone.
         self.replicated_scalar = mesh is not None and not self.full_shape
         # The engine's shard: padded rows, what collectives read and the optimizer's updates land in.
@@ -97,7 +98,11 @@ class ShardedParam:
         copy) where a mesh exists, else the padded rows themselves."""
         if self.mesh is None:
             return rows
-        return whole(self.user_rows(rows), self.mesh, self._placements, self.full_shape)
+        spec = self._specs.get(rows.dtype)
+        if spec is None:
+            spec = self._specs[rows.dtype] = whole_spec(self.mesh, self._placements,
+                                                        self.full_shape, rows.dtype)
+        return whole(self.user_rows(rows), spec)
 
     def as_rows(self, value: torch.Tensor) -> torch.Tensor:
         """The shard-shaped (padded) rows of a tensor laid out like the sharded parameter (its
