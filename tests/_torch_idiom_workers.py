@@ -199,6 +199,12 @@ def state_dict_run(rank: int, world: int, tmp: str) -> dict:
             p.zero_()
     fresh.load_state_dict(mine)
     out["own_rows_diff"] = max_diff(full_params(fresh), ref)
+    # The same file into an unsharded model: refused by torch (a DTensor is no plain tensor).
+    try:
+        TinyNet().load_state_dict(mine)
+        out["into_unsharded"] = "loaded"
+    except RuntimeError as exc:
+        out["into_unsharded"] = str(exc)
     # A full (unsharded) state dict, as torch.save(ref.state_dict()) writes it, loads into the
     # sharded model; so does the whole-model dict shardkit gathers.
     full = shardkit.checkpoint.full_state_dict(model, rank0_only=False)

@@ -109,6 +109,7 @@ def test_state_dict_never_moves_half_a_model_silently(tmp_path, world, other):
         else:
             assert f"shard 0 of {world}" in r["rank0_rows"] and f"shard {rank} of {world}" in r["rank0_rows"]
         assert r["own_rows_diff"] == 0.0
+        assert "DTensor" in r["into_unsharded"]  # an unsharded model refuses the DTensor dict
         for name in ("torch_full", "gathered_full"):
             diff, missing, unexpected = r[name]
             assert diff == 0.0 and missing == [] and unexpected == [], (name, r[name])

@@ -1,10 +1,12 @@
 """Training code's view of a sharded parameter: its global shape, its full tensor, its rows.
 
-After shard(), each parameter is this rank's rows of the original (same dimensions, fewer rows),
-which is what elementwise optimizers and shape rules need. Code that needs the whole tensor
-(an optimizer that orthogonalises whole matrices, a fan-in computed from the global shape, a
-log of the real shape) asks here. Every function also takes a plain parameter and then answers
-for it unchanged, so the same optimizer or script runs sharded and unsharded.
+After shard() a parameter is a DTensor of the whole parameter (sharding/whole_view.py), whose own
+shape and full_tensor() already answer for the whole; where no DeviceMesh exists (XLA's device
+threads) it is this rank's rows (same dimensions, fewer rows). These functions answer the same
+on both routes, so code that needs the whole tensor (an optimizer that orthogonalises whole
+matrices, a fan-in computed from the global shape) runs on every backend. Every function also
+takes a plain parameter and then answers for it unchanged, so the same optimizer or script runs
+sharded and unsharded.
 
 The engine's parameter objects are looked up by identity in a registry of weak references:
 nothing is attached to the nn.Parameter itself, so pickling or copying one never drags engine
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ShardkitError
-from .whole_view import is_dtensor
+from .whole_view import full_of, is_dtensor
 
 if TYPE_CHECKING:
     from .param import ShardedParam
@@ -94,7 +96,7 @@ def full_tensor(param: torch.Tensor, local: torch.Tensor | None = None) -> torch
         if local.shape != sp.full_shape:
             raise ShardkitError(f"full_tensor({sp.fqn!r}): the DTensor given has shape "
                                 f"{tuple(local.shape)}, the parameter {tuple(sp.full_shape)}")
-        return local.full_tensor()
+        return full_of(local)
     if local.shape != sp.shard_shape:
         raise ShardkitError(f"full_tensor({sp.fqn!r}): the tensor given has shape "
                             f"{tuple(local.shape)}, this rank's shard has {tuple(sp.shard_shape)}. "

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import ShardkitError
 from .casts import cast_inputs
 from .collectives import gather_full, pack_grads, reduced_row, row_sizes, start_reduce_scatter
+from .whole_view import local_rows_of
 
 if TYPE_CHECKING:
     from .unit import ShardUnit
@@ -162,7 +163,7 @@ def pre_forward(unit: "ShardUnit", module: torch.nn.Module, args: tuple, kwargs:
     """Traced: put the unit's gathered parameters on their modules (and cast inputs)."""
     # A DTensor parameter enters as its local rows (to_local is differentiable: the gradient
     # comes back as a DTensor of the whole parameter, as eagerly).
-    shards = [p.sharded.to_local() if p.is_whole else p.sharded for p in unit.params]
+    shards = [local_rows_of(p.sharded) if p.is_whole else p.sharded for p in unit.params]
     if unit.reshard_after_forward is False:
         full = gather_unit(shards, unit.graph_key)
     else:

@@ -103,6 +103,16 @@ def is_dtensor(tensor: object) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def local_rows_of(param: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor through autograd (its gradient comes back as a DTensor)."""
+    return param.to_local()  # type: ignore[attr-defined]
+
+
+def full_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (collective over its mesh)."""
+    return tensor.full_tensor()  # type: ignore[attr-defined]
+
+
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (no copy, outside autograd); any other tensor itself."""
     if is_dtensor(tensor):
@@ -146,7 +156,7 @@ def refuse_partial_items() -> None:
     op = torch.ops.aten._local_scalar_dense.default
     handlers = DTensor._op_dispatcher._custom_op_handlers
     _previous_item_handler = handlers.get(op)
-    handlers[op] = _refuse_partial_item
+    handlers[op] = _refuse_partial_item  # type: ignore[assignment]
     _item_op = op
 
 
