@@ -54,10 +54,11 @@ def _tag_rows(module: nn.Module, state_dict: dict, prefix: str, local_metadata: 
         warnings.warn(
             f"state_dict() of a model sharded by shardkit holds rank {state.shard_group.rank}'s "
             f"rows of each parameter (1 of {state.shard_group.size} shards; a DTensor's "
-            ".full_tensor() is collective), not the whole model: torch.save of it on one rank is not a full checkpoint. HINT: "
-            "shardkit.checkpoint.full_state_dict(model) on every rank gives rank 0 the whole "
-            "model's dict; shardkit.checkpoint.save(path, model, optimizer) writes a checkpoint "
-            "that loads at any world size", ShardedStateDictWarning, stacklevel=3)
+            ".full_tensor() is collective), not the whole model: torch.save of it on one "
+            "rank is not a full checkpoint. HINT: shardkit.checkpoint.full_state_dict(model) on "
+            "every rank gives rank 0 the whole model's dict; shardkit.checkpoint.save(path, "
+            "model, optimizer) writes a checkpoint that loads at any world size",
+            ShardedStateDictWarning, stacklevel=3)
 
 
 def _cut_to_rows(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
