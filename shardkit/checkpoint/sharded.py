@@ -347,7 +347,7 @@ def _small_state(key: str, value: Any, view: ShardView) -> Any:
     """A small optimizer state value as the optimizer holds it: a 0-d parameter's tensor state laid
     out like the parameter (a DTensor where the parameter is one); counters such as "step"
     stay plain, as torch's own optimizer.load_state_dict treats that key."""
-    if (key != "step" and isinstance(value, torch.Tensor) and value.shape == view.param.shape
-            and value.shape == view.local.shape):
+    if (key != "step" and isinstance(value, torch.Tensor) and value.dim() == 0
+            and not view.full_shape):
         return view.as_user(value.to(view.local.device))
     return value

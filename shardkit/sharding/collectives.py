@@ -261,15 +261,13 @@ def share_replicated_scalars(params: Sequence[ShardedParam], row: torch.Tensor,
     replicas stay identical (summing the gradient into every rank's slot instead would round
     differently per slot at 3+ ranks).
     """
-    if group is None or group.size <= 1:
-        return
+    if group is None or group.size <= 1 or not any(p.replicated_scalar for p in params):
+        return  # the per-step case: no 0-d parameter in this bucket
     where, offset = [], 0
     for p, size in zip(params, row_sizes(params)):
         if p.replicated_scalar:
             where.append(offset)
         offset += size
-    if not where:
-        return
     index = torch.tensor(where, device=row.device)
     values = row.index_select(0, index)
     if stats is not None:

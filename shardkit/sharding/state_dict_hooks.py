@@ -86,17 +86,16 @@ def _cut_to_rows(module: nn.Module, state_dict: dict, prefix: str, local_metadat
                     "with shardkit.checkpoint.full_state_dict(model) (every rank calls it) and "
                     "load that dict, or use shardkit.checkpoint.save/load, which reshard across "
                     "world sizes")
-            state_dict[prefix + fqn] = sp.as_user(sp.as_rows(value).to(sp.local.device))
         elif value.shape == sp.full_shape and not is_dtensor(value):
             state_dict[prefix + fqn] = sp.as_user(sp.rows_of(value, sp.local.device))
-        elif is_dtensor(value) and value.shape == sp.full_shape and rows.shape == sp.user_shape:
-            # Untagged (made by hand): its local rows are taken to be this rank's.
-            state_dict[prefix + fqn] = sp.as_user(sp.as_rows(value).to(sp.local.device))
-        else:
+            continue
+        elif not (is_dtensor(value) and value.shape == sp.full_shape
+                  and rows.shape == sp.user_shape):  # untagged DTensors: taken to be this rank's
             raise ShardkitError(
                 f"state_dict[{prefix + fqn!r}] has shape {tuple(value.shape)}, but the parameter "
                 f"is {tuple(sp.full_shape)} (this rank holds rows of shape "
                 f"{tuple(sp.shard_shape)}). HINT: load a state dict of the unsharded model "
                 "(shardkit.checkpoint.full_state_dict gives one), or the dict this same rank "
                 "wrote with state_dict()")
+        state_dict[prefix + fqn] = sp.as_user(sp.as_rows(value).to(sp.local.device))  # own rows
 
