@@ -17,8 +17,6 @@ saved in forward see the data again once it is re-gathered for backward.
 
 from __future__ import annotations
 
-import functools
-import weakref
 from typing import Any
 
 import torch
@@ -63,12 +61,6 @@ class ShardedParam:
         # The engine's shard: padded rows, what collectives read and the optimizer's updates land in.
         self.local = torch.zeros(self.shard_shape, dtype=self.master_dtype, device=shard_device)
         self.sharded = nn.Parameter(self.as_user(self.local), requires_grad=orig.requires_grad)
-        self._graph_leaf: nn.Parameter | None = None  # made here: a graph must not see it appear
-        if mesh is not None:
-            self._graph_leaf = nn.Parameter(self.local, requires_grad=orig.requires_grad)
-            if orig.requires_grad:
-                self._graph_leaf.register_post_accumulate_grad_hook(
-                    functools.partial(_leaf_grad_to_param, weakref.ref(self)))
         self.is_meta = orig.device.type == "meta"
         if not self.is_meta:
             self.load_full(orig.detach())
@@ -88,14 +80,6 @@ class ShardedParam:
     def fqn(self) -> str:
         """The first (state_dict-order) name of this parameter."""
         return self.fqns[0]
-
-    def graph_leaf(self) -> torch.Tensor:
-        """What a compiled graph takes for this shard (traced.py): the sharded parameter, or for a
-        DTensor one a leaf over the padded rows. A DTensor's local rows differ in length between
-        ranks, and compiled graphs (cached on disk, shared by the ranks of a machine) would be
-        specialised to one rank's; the padded rows have one shape everywhere. The gradient
-        autograd accumulates on the leaf moves to the DTensor parameter's .grad."""
-        return self.sharded if self._graph_leaf is None else self._graph_leaf
 
     @property
     def is_whole(self) -> bool:
@@ -211,11 +195,3 @@ class ShardedParam:
         param = self.unsharded if unsharded else self.sharded
         for module, name in self.owners:
             module._parameters[name] = param
-
-
-def _leaf_grad_to_param(param_ref: "weakref.ref[ShardedParam]", leaf: torch.Tensor) -> None:
-    # Weak: the hook lives on the leaf, which the ShardedParam holds.
-    sp = param_ref()
-    grad, leaf.grad = leaf.grad, None
-    if sp is not None and grad is not None:
-        sp.accumulate_grad(grad)

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import ShardkitError
 from .casts import cast_inputs
 from .collectives import gather_full, pack_grads, reduced_row, row_sizes, start_reduce_scatter
+from .whole_view import local_rows_of
 
 if TYPE_CHECKING:
     from .unit import ShardUnit
@@ -131,14 +132,14 @@ def reduce_unit(grads: list[torch.Tensor], key: str) -> list[torch.Tensor]:
         row = reduced_row(pending, st.replica_group, st.backend, st.stats)
         for p, grad in zip(bucket.params, torch.split(row, row_sizes(bucket.params))):
             # Copies: a custom op's outputs may not alias one another (they would share the row).
-            out[id(p)] = grad.view(p.shard_shape).to(p.master_dtype, copy=True)
+            out[id(p)] = p.user_rows(grad.view(p.shard_shape)).to(p.master_dtype, copy=True)
     return [out[id(p)] for p in trainable]
 
 
 @reduce_unit.register_fake
 def _reduce_shapes(grads: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     trainable = [p for p in _unit(key).params if p.requires_grad]
-    return [g.new_empty(p.shard_shape, dtype=p.master_dtype) for g, p in zip(grads, trainable)]
+    return [g.new_empty(p.user_shape, dtype=p.master_dtype) for g, p in zip(grads, trainable)]
 
 
 def _gather_backward(ctx, grads: list[torch.Tensor | None]) -> tuple:
@@ -160,7 +161,9 @@ gather_unit.register_autograd(_gather_backward, setup_context=_remember_key)
 
 def pre_forward(unit: "ShardUnit", module: torch.nn.Module, args: tuple, kwargs: dict):
     """Traced: put the unit's gathered parameters on their modules (and cast inputs)."""
-    shards = [p.graph_leaf() for p in unit.params]
+    # A DTensor parameter enters as its local rows (to_local is differentiable: the gradient
+    # comes back as a DTensor of the whole parameter, as eagerly).
+    shards = [local_rows_of(p.sharded) if p.is_whole else p.sharded for p in unit.params]
     if unit.reshard_after_forward is False:
         full = gather_unit(shards, unit.graph_key)
     else:

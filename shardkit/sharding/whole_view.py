@@ -103,6 +103,11 @@ def is_dtensor(tensor: object) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def local_rows_of(param: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor through autograd (its gradient comes back as a DTensor)."""
+    return param.to_local()  # type: ignore[attr-defined]
+
+
 def full_of(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a DTensor (collective over its mesh)."""
     return tensor.full_tensor()  # type: ignore[attr-defined]
