@@ -2,11 +2,14 @@
 # The GPU checks and figures this README lists as pending, for a lent one-GPU machine whose
 # python3 already has a CUDA torch, transformers and lightning (nothing can be downloaded there).
 #
+#   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_pending.sh tests onegpu
 #   COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_pending.sh tests compile
 #   bash benchmarks/gpu_pending.sh lightning checkpoint
 #
 # Parts: tests (every gpu-marked test: CUDA backend conformance, engine parity on one GPU, the
-# planner's peak against max_memory_allocated), compile (bench_step GPT-2-medium bf16, shardkit vs
+# planner's peak against max_memory_allocated, the allocator headroom, memory after dropped
+# models), onegpu (2 and 4 ranks on the one GPU through "cuda+gloo": conformance, every strategy
+# and feature against the one-process run, block.compile(), torch's CUDA sanitizer), compile (bench_step GPT-2-medium bf16, shardkit vs
 # FSDP2, eager and inductor), lightning (Trainer: DDP vs Lightning's FSDPStrategy vs shardkit),
 # checkpoint (sync vs background save stall with pinned staging). Each part has its own time
 # limit so one that hangs leaves the others their turn; logs go to $OUT (or /tmp/gpu-out).
@@ -45,6 +48,9 @@ for what in "$@"; do
         part tests 170 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 160 -s \
             tests/test_cuda_backend.py tests/test_sharding_gpu.py tests/test_replicate.py \
             tests/test_planner_gpu.py tests/test_lifetimes.py ;;
+    onegpu)
+        part onegpu 300 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 280 -s \
+            tests/test_one_gpu_ranks.py ;;
     compile)
         part compile 200 $PY benchmarks/bench_step.py --model gpt2-medium --device cuda --dtype bf16 \
             --nproc 1 --batch 8 --seq 512 --warmup 3 --chunk 3 --steps 12 \
@@ -56,6 +62,6 @@ for what in "$@"; do
     checkpoint)
         part checkpoint 90 $PY benchmarks/bench_checkpoint.py --backend cuda --nproc 1 \
             --model gpt2-small --batch 8 --seq 512 --saves 2 --interval 30 --json "$OUT/checkpoint.json" ;;
-    *) echo "unknown part $what (tests, compile, lightning, checkpoint)"; exit 2 ;;
+    *) echo "unknown part $what (tests, onegpu, compile, lightning, checkpoint)"; exit 2 ;;
     esac
 done

@@ -63,6 +63,9 @@ class Backend:
     auto_select: ClassVar[bool] = True  # False: only chosen by name (or when auto_select_now())
     requires_api: ClassVar[int] = API_VERSION
     capabilities: ClassVar[Capabilities] = Capabilities()
+    # Names of the collective library this backend's collective side is, for pairing it with
+    # another backend's device as "DEVICE+LIBRARY" (shardkit/composed.py), e.g. ("gloo",).
+    collective_libraries: ClassVar[tuple[str, ...]] = ()
 
     # ---- availability -------------------------------------------------------------------------
     @classmethod

@@ -1,4 +1,7 @@
-"""Choose a backend: explicit name > SHARDKIT_BACKEND > site hook > best available by priority."""
+"""Choose a backend: explicit name > SHARDKIT_BACKEND > site hook > best available by priority.
+
+A name may pair two backends, "DEVICE+COLLECTIVES" (shardkit/composed.py): "cuda+gloo".
+"""
 
 from __future__ import annotations
 
@@ -83,7 +86,48 @@ def backend_class(name: str) -> type[Backend]:
     return cls
 
 
+def collective_side_class(name: str) -> type[Backend]:
+    """The registered backend whose collectives `name` means: a backend name, or a collective library one declares."""
+    state = plugin_state()
+    if name in state.registry:
+        return backend_class(name)
+    by_library = {lib: cls for _, cls in state.registry.classes() for lib in cls.collective_libraries}
+    if name in by_library:
+        return by_library[name]
+    valid = [*state.registry.names(), *by_library]
+    raise BackendNotFoundError(
+        f"unknown collective side {name!r} in a 'DEVICE+COLLECTIVES' backend name"
+        f"{did_you_mean(name, valid) or '.'} Valid collective sides: {', '.join(sorted(valid))} "
+        "(a registered backend's name, or a collective library a backend declares)")
+
+
+def _composed_instance(spec: str) -> Backend:
+    from .composed import ComposedBackend, compose
+
+    device_name, _, collectives_name = (part.strip() for part in spec.partition("+"))
+    if not device_name or not collectives_name or "+" in collectives_name:
+        raise ShardkitError(f"backend {spec!r}: a pair is written 'DEVICE+COLLECTIVES' with one "
+                            "'+', e.g. 'cuda+gloo' (CUDA tensors, gloo's collectives)")
+    try:
+        device = _instance(device_name)
+        collectives = _instance(collective_side_class(collectives_name).name)
+    except ShardkitError as exc:
+        raise type(exc)(f"{spec!r}: {exc}") from None
+    pair = compose(device, collectives)
+    with _lock:
+        existing = _instances.get(pair.name)
+        if (isinstance(existing, ComposedBackend) and existing.device is device
+                and existing.collectives is collectives):
+            return existing
+        _instances[pair.name] = pair
+    logger.debug("backend %r: %r's devices with %r's collectives", pair.name, device.name,
+                 collectives.name)
+    return pair
+
+
 def _instance(name: str) -> Backend:
+    if "+" in name:
+        return _composed_instance(name)
     state = plugin_state()
     cls = backend_class(name)
     ok, reason = _probe(cls)

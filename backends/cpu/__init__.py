@@ -21,6 +21,7 @@ class CPUBackend(Backend):
     name = "cpu"
     device_type = "cpu"
     priority = 0
+    collective_libraries = ("gloo",)  # "cuda+gloo": CUDA tensors through these collectives
     # gloo runs collectives on its own threads, so async handles overlap with compute.
     # A host job has no first compile to wait for: a silent peer is dead after 30 s.
     # No exact_reduce_ops: gloo's AVG (torch >= 2.8) is itself a SUM then a divide, so it would

@@ -23,6 +23,7 @@ class CUDABackend(Backend):
     name = "cuda"
     device_type = "cuda"
     priority = 30
+    collective_libraries = ("nccl",)
     # NCCL >= 2.10 averages in the collective itself; exact_reduce_ops_for narrows per version
     # and dtype (policy.exact_reduce_ops).
     capabilities = Capabilities(has_streams=True, async_collectives=True,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from ..backend import Backend
+from ..env_flags import UNORDERED_GATHER, env_flag
 from ..handles import Group, Work
 from .buffers import BufferPool
 from .traffic import CommStats
@@ -71,7 +72,8 @@ def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device:
     is the output (a direct bucket's padded flat storage) instead of a pooled buffer.
     """
     stream = stream if stream is not None else backend.current_stream(device)
-    stream.wait_stream(backend.current_stream(device))
+    if not env_flag(UNORDERED_GATHER):
+        stream.wait_stream(backend.current_stream(device))
     if source is not None:
         backend.record_stream(source, stream)  # the caller drops it while the copy is queued
     with backend.use_stream(stream):

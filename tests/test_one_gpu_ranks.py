@@ -1,0 +1,76 @@
+"""Several ranks on one GPU: CUDA's device side with gloo's collectives ("cuda+gloo"), the engine's
+multi-rank CUDA path (streams overlapping real collectives, events, record_stream, pooled
+buffers) against the one-process run, the conformance suite at 2 and 4 ranks, and torch's CUDA
+sanitizer over it. Run with `pytest -m gpu tests/test_one_gpu_ranks.py`; skipped without a GPU.
+
+SHARDKIT_TEST_ONE_DEVICE_PAIR=cpu+gloo runs the same tests (but the sanitizer's) on the host.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import shardkit
+from shardkit.testing import run_world
+
+from _one_device_workers import compiled_blocks_run, one_device_suite, unsynced_steps
+
+PAIR = os.environ.get("SHARDKIT_TEST_ONE_DEVICE_PAIR", "cuda+gloo")
+ON_GPU = PAIR.startswith("cuda")
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(ON_GPU and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _spawn(fn, world: int, *args):
+    return shardkit.spawn(fn, world, *args, backend=PAIR, threads_per_rank=1)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_conformance_of_cuda_with_gloo(world):
+    result = run_world(PAIR, world)
+    assert result.skipped is None and result.failed_checks() == [], result.failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_strategy_and_feature_on_ranks_sharing_one_gpu(world):
+    results = _spawn(one_device_suite, world, world)
+    for r in results:
+        assert r["backend"] == PAIR and r["device"].startswith(PAIR.split("+")[0])
+        worst = {name: (run["init_diff"], max(run["diffs"])) for name, run in r["runs"].items()}
+        if r is results[0]:
+            print(f"\n{PAIR} x{world}: worst (init, step) difference per run: {worst}; "
+                  f"bf16 {max(r['bf16'])}")
+        assert all(init == 0.0 and diff <= 1e-5 for init, diff in worst.values()), worst
+        assert r["runs"]["cpu_offload"]["devices"] == ["cpu"]
+        assert max(r["bf16"]) <= 1e-5
+
+
+def test_compiled_blocks_on_ranks_sharing_one_gpu():
+    results = _spawn(compiled_blocks_run, 2, 2)
+    worst = [(r["init_diff"], max(r["diffs"])) for r in results]
+    print(f"\n{PAIR} x2, block.compile(): {worst}")
+    assert all(init == 0.0 and diff <= 1e-5 for init, diff in worst), worst
+
+
+needs_sanitizer = pytest.mark.skipif(not ON_GPU, reason="torch's CUDA sanitizer needs CUDA")
+
+
+@needs_sanitizer
+def test_the_cuda_sanitizer_finds_no_race(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_SANITIZER", "1")  # read by each rank's `import torch`
+    results = _spawn(unsynced_steps, 2, 2)
+    print(f"\nsanitized run: {results}")
+    assert all(r["error"] is None and r["diff"] <= 1e-5 for r in results), results
+
+
+@needs_sanitizer
+def test_the_cuda_sanitizer_catches_a_missing_wait(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_SANITIZER", "1")
+    monkeypatch.setenv("SHARDKIT_TESTONLY_UNORDERED_GATHER", "1")
+    results = _spawn(unsynced_steps, 2, 2)
+    print(f"\nsanitized run with the gather's wait skipped: {[r['error'] for r in results]}")
+    assert all(r["error"] and "data race" in r["error"] for r in results), results
