@@ -49,8 +49,10 @@ for what in "$@"; do
             tests/test_cuda_backend.py tests/test_sharding_gpu.py tests/test_replicate.py \
             tests/test_planner_gpu.py tests/test_lifetimes.py ;;
     onegpu)
-        part onegpu 300 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 280 -s \
-            tests/test_one_gpu_ranks.py ;;
+        part onegpu 200 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 180 -s \
+            -k "not sanitiz" tests/test_one_gpu_ranks.py
+        part sanitizer 180 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 170 -s \
+            -k "sanitiz" tests/test_one_gpu_ranks.py ;;
     compile)
         part compile 200 $PY benchmarks/bench_step.py --model gpt2-medium --device cuda --dtype bf16 \
             --nproc 1 --batch 8 --seq 512 --warmup 3 --chunk 3 --steps 12 \

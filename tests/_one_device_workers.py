@@ -53,14 +53,32 @@ def compiled_blocks_run(rank: int, world: int) -> dict:
     return {"init_diff": run["init_diff"], "diffs": run["diffs"]}
 
 
-def unsynced_steps(rank: int, world: int, steps: int = 3) -> dict:
-    """FULL_SHARD steps with no host synchronisation between them (losses stay on the device), so
-    a missing stream wait is not hidden by a sync; under TORCH_CUDA_SANITIZER=1 a race raises.
-    Returns the weight difference from the unsharded reference, or the error that stopped it."""
-    dev = shardkit.current_context().device
+UNSYNCED_CONFIGS = {
+    "FULL_SHARD": {},
+    "SHARD_GRAD_OP": {"strategy": "SHARD_GRAD_OP"},
+    "prefetch_2": {"prefetch": 2},
+    "reshard_to_1": {"reshard_after_forward": 1},
+    "bf16": {"mixed_precision": shardkit.MixedPrecision(param_dtype=torch.bfloat16,
+                                                        reduce_dtype=torch.float32)},
+    "cpu_offload": {"cpu_offload": True},
+}
+
+
+def unsynced_steps(rank: int, world: int, names: list[str], steps: int = 3) -> dict:
+    """Per config of UNSYNCED_CONFIGS: steps with no host synchronisation between them (losses
+    stay on the device), so that a missing stream wait is not hidden by a sync; under
+    TORCH_CUDA_SANITIZER=1 a race raises. The weight difference from the unsharded reference
+    (fp32 configs), or the error that stopped the run."""
+    return {name: _unsynced(rank, world, UNSYNCED_CONFIGS[name], steps) for name in names}
+
+
+def _unsynced(rank: int, world: int, options: dict, steps: int) -> dict:
+    ctx = shardkit.current_context()
+    dev = ctx.device
     torch.manual_seed(0)
     ref = TinyNet().to(dev)
-    model = shardkit.shard(copy.deepcopy(ref), auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+    model = shardkit.shard(copy.deepcopy(ref), auto_wrap_policy=shardkit.wrap.transformer_layers({Block}),
+                           **options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     try:
@@ -69,7 +87,7 @@ def unsynced_steps(rank: int, world: int, steps: int = 3) -> dict:
             F.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-        shardkit.current_context().backend.synchronize(dev)  # the sanitizer checks what is queued
+        ctx.backend.synchronize(dev)  # the sanitizer checks what is queued
     except Exception as exc:  # noqa: BLE001 - the sanitizer's report is the result
         return {"error": "".join(traceback.format_exception_only(exc))[:4000]}
     for step in range(steps):
