@@ -49,9 +49,9 @@ for what in "$@"; do
             tests/test_cuda_backend.py tests/test_sharding_gpu.py tests/test_replicate.py \
             tests/test_planner_gpu.py tests/test_lifetimes.py ;;
     onegpu)
-        part onegpu 200 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 180 -s \
+        part onegpu 150 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 140 -s \
             -k "not sanitiz" tests/test_one_gpu_ranks.py
-        part sanitizer 180 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 170 -s \
+        part sanitizer 150 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 140 -s \
             -k "sanitiz" tests/test_one_gpu_ranks.py ;;
     compile)
         part compile 200 $PY benchmarks/bench_step.py --model gpt2-medium --device cuda --dtype bf16 \

@@ -13,7 +13,7 @@ import shardkit
 
 from _knob_workers import _checkpoint_blocks
 from _models import Block, TinyNet, batch, global_batch
-from _sharding_workers import STRATEGIES, max_diff, full_params, mp_parity_run, parity_run
+from _sharding_workers import STEPS, STRATEGIES, full_params, max_diff, mp_parity_run, parity_run
 
 
 def _compile_blocks(model) -> None:
@@ -43,7 +43,33 @@ def one_device_suite(rank: int, world: int) -> dict:
     return {"backend": ctx.backend.name, "device": str(ctx.device),
             "runs": {name: {"init_diff": r["init_diff"], "diffs": r["diffs"], "devices": r["devices"]}
                      for name, r in runs.items()},
-            "bf16": mp_parity_run(rank, world)}
+            "bf16": mp_parity_run(rank, world), "split_noise": split_batch_noise(world)}
+
+
+def split_batch_noise(world: int) -> float:
+    """How far the unsharded reference drifts from itself, unsharded too, when each step's global
+    batch is split into the ranks' batches and their mean gradients averaged (the same math as
+    data parallelism, in another order): this device's rounding floor for the parity runs. AdamW
+    divides by the root of each gradient's square, so a gradient that cancels to near zero turns
+    rounding into a visible step difference."""
+    dev = shardkit.current_context().device
+    torch.manual_seed(0)
+    whole = TinyNet().to(dev)
+    split = copy.deepcopy(whole)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (whole, split)]
+    worst = 0.0
+    for step in range(STEPS):
+        gx, gy = (t.to(dev) for t in global_batch(step, world))
+        F.cross_entropy(whole(gx), gy).backward()
+        for r in range(world):
+            x, y = (t.to(dev) for t in batch(step, r))
+            (F.cross_entropy(split(x), y) / world).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        worst = max(worst, max((a - b).abs().max().item()
+                               for a, b in zip(whole.parameters(), split.parameters())))
+    return worst
 
 
 def compiled_blocks_run(rank: int, world: int) -> dict:

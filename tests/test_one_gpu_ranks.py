@@ -25,8 +25,15 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(ON_GPU and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _spawn(fn, world: int, *args):
-    return shardkit.spawn(fn, world, *args, backend=PAIR, threads_per_rank=1)
+def _spawn(fn, world: int, *args, **kwargs):
+    return shardkit.spawn(fn, world, *args, backend=PAIR, threads_per_rank=1, **kwargs)
+
+
+def _sanitized(fn, world: int, *args):
+    # A fresh interpreter per rank: TORCH_CUDA_SANITIZER is read by `import torch`, and the
+    # forkserver's ranks would inherit a torch imported without it. A rank stopped by a race
+    # leaves its peers in a collective: they stop after 60 s, not the accelerator's 10 minutes.
+    return _spawn(fn, world, *args, start_method="spawn", timeout=60)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -38,13 +45,17 @@ def test_conformance_of_cuda_with_gloo(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_strategy_and_feature_on_ranks_sharing_one_gpu(world):
     results = _spawn(one_device_suite, world, world)
+    # Within 1e-5, or 4x what the unsharded model drifts from itself when only the batch is
+    # split the same way (a wrong factor or a stale buffer moves weights by 1e-3 and more).
+    tolerance = max(1e-5, 4 * results[0]["split_noise"])
     for r in results:
         assert r["backend"] == PAIR and r["device"].startswith(PAIR.split("+")[0])
         worst = {name: (run["init_diff"], max(run["diffs"])) for name, run in r["runs"].items()}
         if r is results[0]:
             print(f"\n{PAIR} x{world}: worst (init, step) difference per run: {worst}; "
-                  f"bf16 {max(r['bf16'])}")
-        assert all(init == 0.0 and diff <= 1e-5 for init, diff in worst.values()), worst
+                  f"bf16 {max(r['bf16'])}; the unsharded model split the same way: "
+                  f"{r['split_noise']}")
+        assert all(init == 0.0 and diff <= tolerance for init, diff in worst.values()), worst
         assert r["runs"]["cpu_offload"]["devices"] == ["cpu"]
         assert max(r["bf16"]) <= 1e-5
 
@@ -62,7 +73,7 @@ needs_sanitizer = pytest.mark.skipif(not ON_GPU, reason="torch's CUDA sanitizer 
 @needs_sanitizer
 def test_sanitized_steps_without_host_syncs_find_no_race(monkeypatch):
     monkeypatch.setenv("TORCH_CUDA_SANITIZER", "1")  # read by each rank's `import torch`
-    results = _spawn(unsynced_steps, 2, 2, list(UNSYNCED_CONFIGS))
+    results = _sanitized(unsynced_steps, 2, 2, list(UNSYNCED_CONFIGS))
     print(f"\nsanitized steps, rank 0: {results[0]}")
     for r in results:
         assert all(run["error"] is None for run in r.values()), r
@@ -72,7 +83,7 @@ def test_sanitized_steps_without_host_syncs_find_no_race(monkeypatch):
 @needs_sanitizer
 def test_sanitized_strategies_and_features_find_no_race(monkeypatch):
     monkeypatch.setenv("TORCH_CUDA_SANITIZER", "1")
-    (r, _) = _spawn(one_device_suite, 2, 2)  # a race raises in the rank, failing the spawn
+    (r, _) = _sanitized(one_device_suite, 2, 2)  # a race raises in the rank, failing the spawn
     worst = {name: max(run["diffs"]) for name, run in r["runs"].items()}
     assert max(worst.values()) <= 1e-5 and max(r["bf16"]) <= 1e-5, worst
 
@@ -81,7 +92,7 @@ def test_sanitized_strategies_and_features_find_no_race(monkeypatch):
 def test_the_cuda_sanitizer_catches_a_missing_wait(monkeypatch):
     monkeypatch.setenv("TORCH_CUDA_SANITIZER", "1")
     monkeypatch.setenv("SHARDKIT_TESTONLY_UNORDERED_GATHER", "1")
-    results = _spawn(unsynced_steps, 2, 2, ["FULL_SHARD"])
+    results = _sanitized(unsynced_steps, 2, 2, ["FULL_SHARD"])
     errors = [r["FULL_SHARD"]["error"] for r in results]
     print(f"\nsanitized run with the gather's wait skipped: {errors}")
     assert all(e and "data race" in e for e in errors), errors

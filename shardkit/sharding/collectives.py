@@ -49,10 +49,10 @@ class PendingGather:
 
     def wait(self, backend: Backend, device: torch.device) -> None:
         """Make the compute stream see the gathered data (blocks the host where there are no streams)."""
-        self.work.wait()
         current = backend.current_stream(device)
-        if self.event is not None:
+        if self.event is not None:  # before the work's wait: see reduced_row
             current.wait_event(self.event)
+        self.work.wait()
         # The output was allocated on the gather stream; copy-out reads it on the compute stream.
         backend.record_stream(self.output, current)
 
@@ -234,11 +234,16 @@ def reduced_row(pending: PendingReduce, replica: Group | None, backend: Backend,
                 stats: CommStats | None) -> torch.Tensor:
     """Wait for the reduce-scatter, reduce across replicas and divide (SUM plans): this rank's
     averaged row of the bucket, in the reduce dtype on the compute device."""
-    pending.work.wait()
     device = pending.output.device
     current = backend.current_stream(device)
+    # The compute stream first waits for all the reduce stream queued (the collective's launch
+    # included), then for the collective: a backend whose wait() ends with a copy on the current
+    # stream (the cpu backend's reduce-scatter, built from an all-reduce, under "cuda+gloo") then
+    # reads a result the compute stream is already ordered after. torch's CUDA sanitizer, which
+    # counts a c10d op as a kernel of the stream that issued it, reported the other order.
     if pending.event is not None:
         current.wait_event(pending.event)
+    pending.work.wait()
     out = pending.output
     backend.record_stream(out, current)
     if replica is not None and replica.size > 1:
