@@ -65,18 +65,27 @@ def _build(seed: int, meta: bool, freeze: tuple[str, ...], tie: bool,
     return ref, model
 
 
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    """AdamW, or SGD with momentum 0.9 ("sgd")."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=lr)
+
+
 def parity_run(rank: int, strategy: str, world: int, shard_kwargs: dict | None = None, *,
                seed: int = 0, lr: float = 1e-2, micro: int = 1, clip: float | None = None,
                norm_type: float = 2.0,
                freeze: tuple[str, ...] = (), tie: bool = False, meta: bool = False,
                two_forwards: bool = False, model_cls: type = TinyNet,
-               eval_between: bool = False, sync_flag: bool = False, setup=None) -> dict:
+               eval_between: bool = False, sync_flag: bool = False, setup=None,
+               optimizer: str = "adamw") -> dict:
     """Train sharded and unsharded (on the global batch) side by side; report per-step differences.
 
     micro > 1: the first micro-1 backward passes run under no_sync (sync_flag: under
     set_requires_gradient_sync(False) instead); the reference accumulates the same micro-batches.
     two_forwards: two forward passes, one backward of the summed loss. setup(model) runs once
-    on the sharded model before training.
+    on the sharded model before training. optimizer: "adamw", or "sgd" (momentum 0.9), whose
+    step does not divide by the gradient's magnitude and so keeps rounding differences small.
     """
     ref, model = _build(seed, meta, freeze, tie, model_cls)
     dev = shardkit.current_context().device
@@ -88,8 +97,8 @@ def parity_run(rank: int, strategy: str, world: int, shard_kwargs: dict | None =
         setup(model)
     out: dict = {"init_diff": max_diff(full_params(model), ref), "diffs": [], "norms": [],
                  "frozen_grads": [], "devices": sorted({str(p.device) for p in model.parameters()})}
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=lr)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
+    ref_opt = make_optimizer(optimizer, [p for p in ref.parameters() if p.requires_grad], lr)
     for step in range(STEPS):
         for j in range(micro):
             sync = j == micro - 1
