@@ -3,10 +3,10 @@
 A backend is two things a vendor ships together: a device (placement, streams, events, memory,
 launching) and a collective library (process groups, reduce ops, what they average exactly).
 Most jobs want the pair as shipped; some want to mix them: CUDA tensors through gloo (several
-ranks on one GPU, where NCCL refuses two ranks per device), CUDA with a third party's MPI
+ranks on one GPU, where the GPU's own library refuses two ranks per device), CUDA with a third party's MPI
 backend, a vendor's device with another library. ``"DEVICE+COLLECTIVES"`` names such a pair:
 DEVICE is a registered backend, COLLECTIVES a registered backend or the collective library one
-declares in ``Backend.collective_libraries`` (``gloo`` is the cpu backend's, ``nccl`` cuda's).
+declares in ``Backend.collective_libraries`` (``gloo`` is the cpu backend's).
 
 Every member of `Backend` belongs to exactly one side (DEVICE_SIDE, COLLECTIVE_SIDE below; a
 test holds the two lists to the class), and the capabilities split the same way
@@ -20,7 +20,6 @@ many ranks as asked on one GPU; a collective side with a per-device limit keeps 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, ClassVar
 
 from typing_extensions import override
@@ -79,6 +78,7 @@ class ComposedBackend(Backend):
         self.device = device if device is not None else self.device_class()
         self.collectives = collectives if collectives is not None else self.collectives_class()
 
+    @override
     def __reduce__(self) -> tuple[Any, ...]:
         # The class is made at run time: a spawned rank rebuilds the pair from its two sides.
         return (compose, (self.device, self.collectives))
@@ -121,9 +121,8 @@ class ComposedBackend(Backend):
                 f"{self.collectives.name!r} collectives>")
 
 
-@functools.lru_cache(maxsize=None)
 def composed_class(device_cls: type[Backend], collectives_cls: type[Backend]) -> type[ComposedBackend]:
-    """The backend class pairing `device_cls`'s devices with `collectives_cls`'s collectives (one per pair)."""
+    """A backend class pairing `device_cls`'s devices with `collectives_cls`'s collectives (selection keeps one instance per pair)."""
     if not collectives_cls.capabilities.torch_process_group and (
             collectives_cls.device_type != device_cls.device_type):
         raise ShardkitError(
