@@ -256,3 +256,39 @@ def fullgraph_refusal(rank: int, options: dict) -> str:
     except Exception as exc:  # noqa: BLE001 - dynamo wraps the error; its text is the finding
         return str(exc)
     return "no error"
+
+
+def compiled_uneven_rows(rank: int, world: int, cache_dir: str) -> dict:
+    """torch.compile(model) (inductor) of a model whose parameters split into unequal rows (7
+    rows over 2 ranks: 4 and 3), with `cache_dir` as inductor's on-disk cache, which ranks and
+    runs share as they do on one machine: per step, the weights' difference from the unsharded
+    model, and how many compiled graphs came from that cache."""
+    import copy
+    import os
+
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5))
+    ref = copy.deepcopy(net)
+    model = torch.compile(shardkit.shard(net))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    diffs = []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4 * world, 6, generator=gen), torch.randint(0, 5, (4 * world,), generator=gen)
+        mine = slice(4 * rank, 4 * (rank + 1))
+        F.cross_entropy(model(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        diffs.append(max((p.full_tensor() - r).abs().max().item()
+                         for p, r in zip(net.parameters(), ref.parameters())))
+    return {"diffs": diffs, "cache_hits": counters["inductor"]["fxgraph_cache_hit"]}

@@ -66,3 +66,16 @@ def test_whole_model_compile_runs_ten_steps_like_fsdp2():
         assert ours["graphs"][-1] <= torchs["graphs"][-1], (ours, torchs)
         print(f"graphs: shardkit {ours['graphs'][-1]}, FSDP2 {torchs['graphs'][-1]}; graph breaks: "
               f"shardkit {ours['breaks']}, FSDP2 {torchs['breaks']}")
+
+
+def test_whole_model_compile_shares_the_on_disk_cache_at_uneven_rows(tmp_path):
+    """Ranks holding different row counts, and a second run reading the first's compiled graphs
+    from inductor's on-disk cache, as every run on one machine does: each rank must get a graph
+    made for its own rows (a graph made for 4 rows failed on the rank holding 3)."""
+    from _compile_workers import compiled_uneven_rows
+
+    runs = [shardkit.spawn(compiled_uneven_rows, 2, 2, str(tmp_path), threads_per_rank=1,
+                           backend="cpu") for _ in range(2)]
+    for run in runs:
+        assert all(max(r["diffs"]) <= 1e-6 for r in run), run
+    assert all(r["cache_hits"] > 0 for r in runs[1]), runs[1]  # the second run read the cache

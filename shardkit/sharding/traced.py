@@ -54,8 +54,17 @@ def forget_units() -> None:
 
 def graph_key(unit: "ShardUnit") -> str:
     """The name the custom ops know `unit` by (assigned once per unit). A string: dynamo would
-    turn an int that differs between units into a symbolic one, and hash nothing by it."""
-    key = f"unit{next(_NEXT_KEY)}"
+    turn an int that differs between units into a symbolic one, and hash nothing by it.
+
+    It ends with this rank's row counts of the unit's parameters. The graph takes each DTensor
+    parameter's local rows, whose count differs between ranks where rows do not divide evenly
+    (7 rows: 4 and 3), but inductor's on-disk cache, which every rank and run on a machine
+    shares, keys a graph by the DTensor's whole shape: a rank holding 3 rows loaded the graph
+    compiled for 4 and failed its size check. The key is a constant of the graph, so the cache
+    tells the two apart, and ranks holding equal rows still share one entry.
+    """
+    rows = ",".join(str(p.user_shape[0]) if p.user_shape else "-" for p in unit.params)
+    key = f"unit{next(_NEXT_KEY)}:rows={rows}"
     _UNITS[key] = unit
     return key
 
