@@ -261,13 +261,14 @@ class Backend:
             # A lone process: an in-memory store, so no port is opened and nothing can collide.
             dist.init_process_group(store=dist.HashStore(), **options)
         else:
-            from .rendezvous import join_job_store
-
-            # torch's own rendezvous, checked to be this job's store before the group uses it;
-            # the prefix is the one torch gives its default group's keys on the env:// path.
-            env.export()
-            store = join_job_store(env, timeout)
-            dist.init_process_group(store=dist.PrefixStore("default_pg", store), **options)
+            if env.store is None:
+                raise ShardkitError(
+                    f"rank {env.rank} of {env.world_size} has no job store to make its process "
+                    "group with: shardkit.init() joins it (rendezvous.with_job_store) before "
+                    "calling init_process_group. HINT: call shardkit.init(), or pass "
+                    "dataclasses.replace(env, store=...) when calling a backend directly")
+            # The prefix is the one torch gives its default group's keys on the env:// path.
+            dist.init_process_group(store=dist.PrefixStore("default_pg", env.store), **options)
         return self.world_group()
 
     def world_group(self) -> Group:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from .errors import ShardkitError
 
@@ -42,6 +42,9 @@ class LaunchEnv:
     master_port: int | None  # None: a lone process that needs no rendezvous
     launcher: str
     job_id: str | None = None  # e.g. "SLURM_JOB_ID=1234": what tells this job from another
+    # The job's store, joined (and checked to be this job's) by shardkit.init() before the
+    # backend makes its process group (rendezvous.with_job_store); None for a lone process.
+    store: Any = field(default=None, compare=False, repr=False)
 
     def export(self, environ: dict[str, str] | None = None) -> None:
         """Write the torch env:// variables so torch.distributed and child libraries agree.

@@ -71,7 +71,7 @@ HELD: tuple[Held, ...] = (
          "read by the watchdog thread and the exception hook, which know no model",
          "the engine's hooks, on every step", "init() and reset() clear it",
          "shardkit.failure.where:reset"),
-    Held(("shardkit.step_boundary:_handle",),
+    Held(("shardkit.step_boundary:_handle", "shardkit.step_boundary:_context_of_thread"),
          "a torch.optim post-step hook that cuts a lazy device's graph after each step",
          "torch.optim's step hooks are global",
          "init() with a backend whose capabilities set needs_step_boundary",

@@ -69,6 +69,19 @@ def conflict(env: LaunchEnv, record: JobRecord, claimed_by: str, me: str) -> str
     return None
 
 
+def with_job_store(env: LaunchEnv, timeout: datetime.timedelta) -> LaunchEnv:
+    """`env` holding the job's store, joined and checked (`join_job_store`), where a process
+    group is still to be made over the network; otherwise `env` as it is."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    if env.master_port is None or env.store is not None or dist.is_initialized():
+        return env
+    env.export()
+    return dataclasses.replace(env, store=join_job_store(env, timeout))
+
+
 def join_job_store(env: LaunchEnv, timeout: datetime.timedelta) -> Any:
     """Open or join the job's store at env.master_addr:master_port, checked to be this job's."""
     import torch.distributed as dist

@@ -17,6 +17,7 @@ from .handles import Group
 from .launch_env import LaunchEnv, restore_environ
 from .logs import logger
 from .parent_death import arm_if_launched
+from .rendezvous import with_job_store
 from .selection import get_backend
 from .step_boundary import install_step_hook, remove_step_hook
 
@@ -98,9 +99,9 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
     env = be.launch_env()
     device = be.normalize_device(device_id, env.local_rank)
     be.set_device(device)
-    world = be.init_process_group(env, timeout)
+    world = be.init_process_group(with_job_store(env, timeout), timeout)
     if be.capabilities.needs_step_boundary:
-        install_step_hook()
+        install_step_hook(current_context)
     ctx = DistContext(be, env, device, world, timeout)
     logger.info("rank %d/%d (local %d, launcher %s): backend %r on %s, process group %r ready",
                 ctx.rank, ctx.world_size, env.local_rank, env.launcher, be.name, device,

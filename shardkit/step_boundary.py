@@ -10,24 +10,26 @@ in threads whose shardkit context uses such a backend, and calls its `step_bound
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 _handle: Any = None  # torch's RemovableHandle while the hook is installed
+_context_of_thread: Callable[[], Any] | None = None  # runtime.current_context, handed in
 _lock = threading.Lock()
 
 
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    from .runtime import current_context
-
-    ctx = current_context()
+    ctx = _context_of_thread() if _context_of_thread is not None else None
     if ctx is not None and ctx.backend.capabilities.needs_step_boundary:
         ctx.backend.step_boundary()
 
 
-def install_step_hook() -> None:
-    """Register the post-step hook with torch.optim (once per process)."""
-    global _handle
+def install_step_hook(context_of_thread: Callable[[], Any]) -> None:
+    """Register the post-step hook with torch.optim (once per process); `context_of_thread`
+    returns this thread's shardkit context (runtime hands in its own lookup, so this module
+    needs nothing above it)."""
+    global _handle, _context_of_thread
     with _lock:
+        _context_of_thread = context_of_thread
         if _handle is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -36,8 +38,8 @@ def install_step_hook() -> None:
 
 def remove_step_hook() -> None:
     """Unregister the post-step hook if installed (shutdown(), process_state.reset)."""
-    global _handle
+    global _handle, _context_of_thread
     with _lock:
-        handle, _handle = _handle, None
+        handle, _handle, _context_of_thread = _handle, None, None
     if handle is not None:
         handle.remove()

@@ -138,7 +138,7 @@ def test_reset_state_puts_back_everything_init_and_shard_installed(monkeypatch):
     hooks_before = (dict(optim_hooks._global_optimizer_pre_hooks),
                     dict(optim_hooks._global_optimizer_post_hooks))
     shardkit.init(backend="cpu")
-    step_boundary.install_step_hook()  # what init() does for a lazy device's backend
+    step_boundary.install_step_hook(shardkit.current_context)  # what init() does for a lazy device's backend
     model = shardkit.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)),
                            auto_wrap_policy=lambda m: isinstance(m, torch.nn.Linear))
     model(torch.randn(2, 4)).sum().backward()

@@ -11,7 +11,7 @@ import torch
 
 from shardkit import Capabilities, ShardkitError, UnsupportedOperationError
 from shardkit.handles import Group
-from shardkit.sharding.collectives import divide_factors
+from shardkit.sharding.reduce_ops import divide_factors
 from shardkit.sharding.reduce_ops import ReducePlan, reduce_plan
 from shardkit_backends.cpu import CPUBackend
 from shardkit_backends.xla import XLABackend

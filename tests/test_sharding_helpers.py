@@ -18,7 +18,8 @@ import shardkit
 from shardkit.errors import ShardkitError
 from shardkit.handles import Group
 from shardkit.sharding.buffers import BufferPool
-from shardkit.sharding.collectives import copy_out, divide_factors, pack_grads
+from shardkit.sharding.collectives import copy_out, pack_grads
+from shardkit.sharding.reduce_ops import divide_factors
 from shardkit.sharding.groups import GroupMaker, make_groups
 from shardkit.sharding.param import ShardedParam
 from shardkit.sharding.policies import ShardingStrategy

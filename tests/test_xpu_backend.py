@@ -134,6 +134,9 @@ def clean_env(monkeypatch):
     yield os.environ
     os.environ.clear()
     os.environ.update(saved)
+    from shardkit.launch_env import _replaced_environ
+
+    _replaced_environ.clear()  # export() noted what it replaced; this fixture put all of it back
 
 
 # ---- registration and availability on this machine ------------------------------------------
@@ -209,7 +212,10 @@ def test_init_sets_the_normalised_device_and_binds_xccl_to_it_under_mpirun(clean
     assert (env.rank, env.world_size, env.local_rank, env.launcher) == (5, 8, 1, "mpich/intel-mpi")
     device = be.normalize_device("xpu", env.local_rank)
     be.set_device(device)
-    world = be.init_process_group(env, datetime.timedelta(seconds=5))
+    from shardkit.rendezvous import with_job_store
+
+    timeout = datetime.timedelta(seconds=5)
+    world = be.init_process_group(with_job_store(env, timeout), timeout)  # as shardkit.init() does
     assert be.runtime.module.calls == [("set_device", torch.device("xpu:1"))]
     assert seen["backend"] == "xccl" and seen["device_id"] == torch.device("xpu:1")
     assert (seen["rank"], seen["world_size"]) == (5, 8)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import __version__
+from .._version import __version__
 from ..sharding.views import ShardView, sharding_info
 from ..sharding.whole_view import local_of
 from . import collective, manifest as mf

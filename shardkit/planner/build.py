@@ -27,7 +27,7 @@ from ..sharding.layout import shard_layout
 from ..sharding.plan import ParamPlan, UnitPlan, plan_units
 from ..sharding.policies import MixedPrecision, ShardConfig, ShardingStrategy
 from ..sharding.reshard import ReshardSpec, resolve, unit_label
-from ..wrap import WrapPolicy, as_policy
+from ..sharding.wrap_policies import WrapPolicy, as_policy
 from .activations import InputsFn
 from .nodes import inter_node_by_rank
 from .replay import Timeline

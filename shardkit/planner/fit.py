@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import ShardkitError
 from ..sharding.plan import plan_units
 from ..sharding.policies import ShardConfig
-from ..wrap import as_policy
+from ..sharding.wrap_policies import as_policy
 from .activations import InputsFn
 from .build import backend_facts, plan, step_plan, target_capabilities
 from .replay import Timeline, peak_at

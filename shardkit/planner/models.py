@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import ShardkitError
 from ..install_hint import pip_install_extra
-from ..wrap import WrapPolicy, transformer_layers
+from ..sharding.wrap_policies import WrapPolicy, transformer_layers
 
 
 

@@ -11,7 +11,7 @@ from ..backend import Backend
 from ..errors import ShardkitError
 from ..logs import logger
 from ..runtime import require_context
-from ..wrap import WrapPolicy, as_policy
+from .wrap_policies import WrapPolicy, as_policy
 from . import hooks
 from .fingerprint import check_same_model, describe
 from .stale_optimizer import remember_replaced

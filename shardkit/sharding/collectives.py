@@ -7,7 +7,6 @@ reduce-scatter leaves row `rank` summed over the group.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -136,18 +135,6 @@ def gather_full(params: Sequence[ShardedParam], dtype: torch.dtype, device: torc
     # A padded buffer would drag its tail into whatever keeps the tensor (a saved file).
     return [f.view(p.full_shape) if p.numel == p.padded_numel
             else f[:p.numel].clone().view(p.full_shape) for p, f in zip(params, flats)]
-
-
-def divide_factors(world: int, dtype: torch.dtype) -> tuple[float, float]:
-    """Split the 1/world averaging into a pre- and post-reduction factor.
-
-    fp16 sums overflow easily, so it divides by about sqrt(world) before and the rest after;
-    other dtypes sum first and divide once (exactly the mean's rounding).
-    """
-    if dtype != torch.float16 or world <= 1:
-        return 1.0, float(world)
-    pre = max(d for d in range(1, math.isqrt(world) + 1) if world % d == 0)
-    return float(pre), float(world // pre)
 
 
 @dataclass

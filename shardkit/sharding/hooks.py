@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from ..errors import ShardkitError
 from ..failure import where
-from .state import ShardState
+from .state import state_of
 from . import traced
 from .casts import cast_floats, cast_inputs
 from .trace import trace_range
@@ -110,7 +110,7 @@ def eager_pre_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kwa
     if unit.in_forward_method:  # the registered method around this call ran the hook already
         return args, kwargs
     with trace_range(unit.trace_names["pre_forward"]):
-        st: ShardState = unit.state
+        st = state_of(unit)
         where.forward_started(unit.name, outermost=unit is st.root_unit)
         if unit is st.root_unit:
             st.on_root_pre_forward()
@@ -134,7 +134,7 @@ def eager_post_forward(unit: ShardUnit, module: torch.nn.Module, args: tuple, kw
     if unit.in_forward_method:
         return output
     with trace_range(unit.trace_names["post_forward"]):
-        st: ShardState = unit.state
+        st = state_of(unit)
         st.record_post_forward(unit)
         unit.restore_buffers()
         backward_follows = torch.is_grad_enabled()
@@ -157,7 +157,7 @@ def _pre_backward(unit_ref: "weakref.ref[ShardUnit]", grad: torch.Tensor) -> Non
     unit = unit_ref()
     if unit is None:  # a backward through the graph of a model that is gone
         return
-    st = unit.state
+    st = state_of(unit)
     where.enter(unit.name, "backward")
     st.queue_finalizer()
     if not unit.backward_started:
@@ -190,7 +190,7 @@ def install(unit: ShardUnit) -> list:
     # module.compile() compiles the module's forward only, so its hooks stay outside the graph
     # (Module.compile would compile __call__, hooks included).
     module.compile = _compile_method(unit)  # type: ignore[method-assign]
-    if unit is unit.state.root_unit and unit.state.config.mixed_precision.output_dtype is not None:
+    if unit is state_of(unit).root_unit and unit.state.config.mixed_precision.output_dtype is not None:
         # Root only: inner units' outputs feed the root's own layers, which compute in param_dtype.
         handles.append(module.register_forward_hook(functools.partial(cast_outputs, unit),
                                                     with_kwargs=True))

@@ -6,12 +6,12 @@ is tested without the hardware that has them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..handles import ReduceOp
-from .collectives import divide_factors
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,18 @@ class ReducePlan:
     replica_factor: float | None = None
     pre_divide: float = 1.0  # divide the packed input by this before the reduce-scatter
     post_divide: float = 1.0  # divide the reduced shard by this after the all-reduce
+
+
+def divide_factors(world: int, dtype: torch.dtype) -> tuple[float, float]:
+    """Split the 1/world averaging into a pre- and post-reduction factor.
+
+    fp16 sums overflow easily, so it divides by about sqrt(world) before and the rest after;
+    other dtypes sum first and divide once (exactly the mean's rounding).
+    """
+    if dtype != torch.float16 or world <= 1:
+        return 1.0, float(world)
+    pre = max(d for d in range(1, math.isqrt(world) + 1) if world % d == 0)
+    return float(pre), float(world // pre)
 
 
 def reduce_plan(exact_ops: frozenset[str], dtype: torch.dtype, shard_size: int,

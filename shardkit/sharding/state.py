@@ -185,3 +185,10 @@ class ShardState:
     def params_by_fqn(self) -> dict:
         """Every name a sharded parameter has (tied ones have several) -> its ShardedParam."""
         return {fqn: sp for sp in self.iter_params() for fqn in sp.fqns}
+
+
+def state_of(unit: ShardUnit) -> ShardState:
+    """The ShardState that owns and drives `unit` (the unit itself sees only its UnitRuntime)."""
+    state = unit.state
+    assert isinstance(state, ShardState)
+    return state

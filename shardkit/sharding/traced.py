@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import ShardkitError
 from .casts import cast_inputs
+from .state import state_of
 from .collectives import gather_full, pack_grads, reduced_row, row_sizes, start_reduce_scatter
 from .whole_view import local_rows_of
 
@@ -122,7 +123,7 @@ def reduce_unit(grads: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     """Reduce-scatter a unit's full gradients (trainable parameters, in order) into its shards'
     gradients, averaged over the data-parallel ranks, in the shards' dtype."""
     unit = _unit(key)
-    st = unit.state
+    st = state_of(unit)
     if st.no_sync:
         raise ShardkitError(
             "no_sync() under a whole-model compiled graph: the graph reduces every backward "

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from typing_extensions import override
 
+from ..backend import Backend
 from ..handles import Group
 from .buckets import Bucket, collective_buckets
 from .collectives import (PendingGather, PendingReduce, copy_out, finish_reduce, grad_as_input,
@@ -16,16 +17,38 @@ from .lifecycle import (SHARDED_MOVES, TRAINING_MOVES, ShardedState, TrainingSta
                         advance)
 from .param import ShardedParam
 from .reduce_ops import reduce_plan
+from .buffers import BufferPool
+from .policies import ShardConfig
 from .trace import trace_range
+from .traffic import CommStats
 
-if TYPE_CHECKING:
-    from .state import ShardState
+
+class UnitRuntime(Protocol):
+    """What a unit reads from its model's runtime state (state.ShardState, which owns and drives
+    the units): declared here, so the unit needs nothing from the module above it."""
+
+    backend: Backend
+    device: torch.device
+    config: ShardConfig
+    shard_group: Group
+    replica_group: Group | None
+    pool: BufferPool
+    stats: CommStats
+    gather_stream: Any
+    reduce_stream: Any
+    async_collectives: bool
+    needs_compiler_barrier: bool
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks whose gradients are averaged."""
+        ...
 
 
 class ShardUnit:
     """Parameters of one wrapped module (minus those of nested units), gathered and reduced as one."""
 
-    def __init__(self, state: "ShardState", module: nn.Module, name: str,
+    def __init__(self, state: UnitRuntime, module: nn.Module, name: str,
                  params: list[ShardedParam],
                  buffers: list[tuple[nn.Module, str]] | None = None,
                  reshard_after_forward: bool | int | None = None,
