@@ -1,16 +1,25 @@
-"""`shardkit.shard()`: turn a model into a sharded data-parallel model, in place."""
+"""`shardkit.shard()`: turn a model into a sharded data-parallel model, in place.
+
+shard() runs five named steps: _decide (options, the unit plan, the same on every rank),
+_make_runtime (groups, the model's ShardState, the DeviceMesh), _shard_parameters (materialise,
+buffers, rank 0's values where asked, a ShardedParam per parameter), _make_units (units and
+their hooks), and _hand_over (torch's idioms see whole parameters; the model becomes sharded),
+with the replica check between the last two.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from ..backend import Backend
 from ..errors import ShardkitError
+from ..handles import Group
 from ..logs import logger
-from ..runtime import require_context
+from ..runtime import DistContext, require_context
 from .wrap_policies import WrapPolicy, as_policy
 from . import hooks
 from .fingerprint import check_same_model, describe
@@ -23,13 +32,16 @@ from .param_access import is_sharded_param, remember_params
 from .whole_view import make_mesh, refuse_partial_items
 from . import state_dict_hooks, torch_norms
 from .param import ShardedParam
-from .plan import ParamPlan, all_param_plans, plan_units
+from .plan import ParamPlan, UnitPlan, all_param_plans, plan_units
 from .policies import MixedPrecision, ShardConfig, ShardingStrategy
 from .report import log_sharding
 from .replicas import broadcast_from_first, check_replicas
 from .reshard import ReshardSpec, frees_without_backward, make_reshard_groups, resolve
 from .state import ShardState
 from .unit import ShardUnit
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
@@ -126,49 +138,99 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
         raise ShardkitError(f"shard() needs an nn.Module, got {type(model).__name__}")
     _check_not_sharded(model)
     ctx = require_context(backend)
+    choices = _decide(model, ctx, strategy, auto_wrap_policy, mixed_precision, device_id,
+                      cpu_offload, param_init_fn, prefetch, hybrid_group_size,
+                      reshard_after_forward, sync_module_states)
+    state, reshard_groups, mesh = _make_runtime(ctx, choices, verify)
+    by_param = _shard_parameters(model, ctx, choices, state, mesh)
+    _make_units(state, choices, by_param, reshard_groups)
+    if not choices.sync:
+        check_replicas([(sp.fqn, sp.local) for sp in state.iter_params()], state.replica_group,
+                       list(model.named_buffers()), ctx.world, ctx.backend, choices.device)
+    _hand_over(model, state, mesh)
+    return model
+
+
+@dataclass(frozen=True)
+class _Choices:
+    """What shard() decided from its arguments, the backend and the model, before any group."""
+
+    device: torch.device
+    config: ShardConfig
+    units: list[UnitPlan]
+    hybrid_group_size: int | None
+    reshard: list[bool | int]
+    free_without_backward: list[bool]
+    sync: bool
+
+
+def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixed_precision,
+            device_id, cpu_offload, param_init_fn, prefetch, hybrid_group_size,
+            reshard_after_forward, sync_module_states) -> _Choices:
+    """Resolve every option and the unit plan; check that every rank decided the same."""
     be = ctx.backend
     device = ctx.device if device_id is None else be.normalize_device(device_id, ctx.local_rank)
     config = _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
                      param_init_fn, be)
-    units_plan = plan_units(model, as_policy(auto_wrap_policy))
+    units = plan_units(model, as_policy(auto_wrap_policy))
     n_shard = shard_group_size(config.strategy, hybrid_group_size, ctx.env.local_world_size,
                                ctx.world.size)
-    reshard = resolve(reshard_after_forward, units_plan, config, n_shard)
-    free_without_backward = frees_without_backward(reshard_after_forward, units_plan, config)
+    reshard = resolve(reshard_after_forward, units, config, n_shard)
     sync = _sync_module_states(sync_module_states, be)
-    check_same_model(describe(units_plan, config) + [f"reshard_after_forward: {reshard}",
-                                                     f"sync_module_states: {sync}"],
+    check_same_model(describe(units, config) + [f"reshard_after_forward: {reshard}",
+                                                f"sync_module_states: {sync}"],
                      ctx.world)  # before any group
-    if not any(u.params for u in units_plan):
+    if not any(u.params for u in units):
         raise ShardkitError(f"shard() got a model with no parameters ({type(model).__name__}): "
                             "there is nothing to shard or train. HINT: pass the model whose "
                             "parameters you train, with its layers already built")
+    return _Choices(device, config, units, hybrid_group_size, reshard,
+                    frees_without_backward(reshard_after_forward, units, config), sync)
+
+
+def _make_runtime(ctx: DistContext, choices: _Choices,
+                  verify: bool | None) -> tuple[ShardState, dict[int, Group], DeviceMesh | None]:
+    """The model's groups (released with it), its runtime state, and the DeviceMesh, if any."""
+    be = ctx.backend
     maker = GroupMaker(be)
-    shard_group, replica_group = make_groups(maker, ctx.world, config.strategy, hybrid_group_size,
-                                             ctx.env.local_world_size)
-    reshard_groups = make_reshard_groups(maker, ctx.world, shard_group, reshard)
-    state = ShardState(maybe_wrap(be, verify, ctx.timeout), device, ctx.world, shard_group,
-                       replica_group, config, ranks_per_node=ctx.env.local_world_size or None)
+    shard_group, replica_group = make_groups(maker, ctx.world, choices.config.strategy,
+                                             choices.hybrid_group_size, ctx.env.local_world_size)
+    reshard_groups = make_reshard_groups(maker, ctx.world, shard_group, choices.reshard)
+    state = ShardState(maybe_wrap(be, verify, ctx.timeout), choices.device, ctx.world, shard_group,
+                       replica_group, choices.config,
+                       ranks_per_node=ctx.env.local_world_size or None)
     maker.release_with(state)
-    shard_device = torch.device("cpu") if config.cpu_offload else device
-    mesh = make_mesh(ctx.world, shard_group, replica_group, device.type, shard_device.type,
-                     be.capabilities.torch_process_group)
+    mesh = make_mesh(ctx.world, shard_group, replica_group, choices.device.type,
+                     _shard_device(choices).type, be.capabilities.torch_process_group)
+    return state, reshard_groups, mesh
+
+
+def _shard_device(choices: _Choices) -> torch.device:
+    return torch.device("cpu") if choices.config.cpu_offload else choices.device
+
+
+def _shard_parameters(model: nn.Module, ctx: DistContext, choices: _Choices, state: ShardState,
+                      mesh: DeviceMesh | None) -> dict[int, ShardedParam]:
+    """Materialise a meta model, move buffers, copy rank 0's values where asked, and turn every
+    parameter into its ShardedParam (each drops the module's reference to the full tensor)."""
+    be, device, sync = ctx.backend, choices.device, choices.sync
     by_param: dict[int, ShardedParam] = {}
 
     def make(plan: ParamPlan, value: nn.Parameter) -> None:
         if sync:
             value = nn.Parameter(broadcast_from_first(value, be, ctx.world, device),
                                  requires_grad=value.requires_grad)
-        sp = ShardedParam(plan.fqns, plan.owners, value, shard_group,
-                          be.capabilities.shard_alignment, shard_device, device,
-                          config.compute_dtype(value.dtype), be, mesh)
+        sp = ShardedParam(plan.fqns, plan.owners, value, state.shard_group,
+                          be.capabilities.shard_alignment, _shard_device(choices), device,
+                          choices.config.compute_dtype(value.dtype), be, mesh)
         sp.register(unsharded=False)  # drops the module's reference to the full tensor
         by_param[id(plan.param)] = sp
 
-    plans = {id(p.param): p for p in all_param_plans(units_plan)}
+    plans = {id(p.param): p for p in all_param_plans(choices.units)}
     remember_replaced(list(plans.values()))
     if has_meta(model):
-        materialize(model, device, param_init_fn, lambda meta, real: make(plans[id(meta)], real))
+        materialize(model, device, choices.config.param_init_fn,
+                    lambda meta, real: make(plans[id(meta)], real))
     for module in model.modules():
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device != device:
@@ -180,7 +242,14 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     for plan in plans.values():
         if id(plan.param) not in by_param:
             make(plan, plan.param)
-    for up, after_forward, free_alone in zip(units_plan, reshard, free_without_backward):
+    return by_param
+
+
+def _make_units(state: ShardState, choices: _Choices, by_param: dict[int, ShardedParam],
+                reshard_groups: dict[int, Group]) -> None:
+    """One ShardUnit per planned unit (root last), each with its hooks installed."""
+    for up, after_forward, free_alone in zip(choices.units, choices.reshard,
+                                             choices.free_without_backward):
         unit = ShardUnit(state, up.module, up.name, [by_param[id(p.param)] for p in up.params],
                          up.buffers, after_forward,
                          None if isinstance(after_forward, bool) else reshard_groups[after_forward],
@@ -189,9 +258,10 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     state.root_unit = state.units[-1]
     for unit in state.units:
         hooks.install(unit)
-    if not sync:
-        check_replicas([(sp.fqn, sp.local) for sp in state.iter_params()], replica_group,
-                       list(model.named_buffers()), ctx.world, be, device)
+
+
+def _hand_over(model: nn.Module, state: ShardState, mesh: DeviceMesh | None) -> None:
+    """Make the model a sharded model: torch's idioms see whole parameters, state on the model."""
     remember_params(state)
     torch_norms.install()  # torch's clip_grad_norm_ now sees whole parameters
     if mesh is not None:
@@ -200,4 +270,3 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     model.__dict__[STATE_ATTR] = state
     log_sharding(model, state)
     model.__class__ = sharded_class(type(model))
-    return model
