@@ -32,7 +32,7 @@ from bench_step import build, loss_of, make_batches
 import shardkit
 from shardkit.planner.compute_times import measure_unit_times
 from shardkit.planner.steptime import Link, Topology, step_time
-from shardkit.sharding.plan import plan_units
+from shardkit.sharding.setup.plan import plan_units
 from shardkit.wrap import as_policy, transformer_layers
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]

@@ -16,7 +16,7 @@ import subprocess
 import torch
 
 from shardkit.planner.models import from_hf_config, hf_config
-from shardkit.sharding.layout import shard_layout
+from shardkit.sharding.step.layout import shard_layout
 
 
 def per_rank_elements(model: torch.nn.Module, ranks: int) -> tuple[int, int, int]:

@@ -39,8 +39,8 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .selection import backend_statuses, get_backend
     from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, comm_stats,
                            full_shape, full_tensor, local_shard, register_forward_method, shard)
-    from .sharding.replicas import check_model_replicas as check_replicas
-    from .sharding.verify import CollectiveOrderError
+    from .sharding.setup.replicas import check_model_replicas as check_replicas
+    from .sharding.step.verify import CollectiveOrderError
 
 # public name -> (module, attribute in it); tests/test_cli_startup.py checks it against the block above
 _LAZY: dict[str, tuple[str, str]] = {
@@ -60,8 +60,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     **{name: (".sharding", name) for name in (
         "MixedPrecision", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "full_shape",
         "full_tensor", "local_shard", "register_forward_method", "shard")},
-    "check_replicas": (".sharding.replicas", "check_model_replicas"),
-    "CollectiveOrderError": (".sharding.verify", "CollectiveOrderError"),
+    "check_replicas": (".sharding.setup.replicas", "check_model_replicas"),
+    "CollectiveOrderError": (".sharding.step.verify", "CollectiveOrderError"),
     "checkpoint": (".checkpoint", ""),
     "wrap": (".wrap", ""),
 }

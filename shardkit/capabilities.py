@@ -44,10 +44,10 @@ class Capabilities:
     # A tensor's storage can be resized to 0 and back (FSDP2-style free); XLA tensors have none.
     supports_storage_resize: bool = True
     # Shards are padded (in whole rows) towards a multiple of shard_alignment elements per rank
-    # where that costs less than shard_alignment elements (sharding/layout.py).
+    # where that costs less than shard_alignment elements (sharding/step/layout.py).
     shard_alignment: int = 1
     # Parameters of at least this many elements get collectives of their own, gathered straight
-    # into their storage and reduced straight from their gradient (sharding/buckets.py): worth one
+    # into their storage and reduced straight from their gradient (sharding/step/buckets.py): worth one
     # more call where a full-size copy costs as much as the collective (host memory). None: never.
     direct_collective_numel: int | None = None
     # The compiler may hoist or keep gathered params alive unless a barrier pins them (XLA).
@@ -58,7 +58,7 @@ class Capabilities:
     ranks_share_process: bool = False
     # Collectives run on a torch.distributed process group, which torch.distributed.checkpoint can
     # coordinate through and a DeviceMesh can be built on (parameters are then DTensors of the
-    # whole parameter: sharding/whole_view.py); False: checkpoints are written from host copies
+    # whole parameter: sharding/step/whole_view.py); False: checkpoints are written from host copies
     # of the shards instead, and parameters stay plain rows.
     torch_process_group: bool = True
     # Reduce ops the collectives accept for general use (the engine's own reductions use "sum").

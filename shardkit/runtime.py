@@ -197,9 +197,9 @@ def _remove_job_hooks() -> None:
     # init() and shard() installed go with the job (process_state.py); the next init() / shard()
     # installs them again.
     remove_step_hook()
-    for name, remove in (("shardkit.sharding.stale_optimizer", "uninstall"),
-                         ("shardkit.sharding.torch_norms", "uninstall"),
-                         ("shardkit.sharding.whole_view", "allow_partial_items")):
+    for name, remove in (("shardkit.sharding.setup.stale_optimizer", "uninstall"),
+                         ("shardkit.sharding.surface.torch_norms", "uninstall"),
+                         ("shardkit.sharding.step.whole_view", "allow_partial_items")):
         module = sys.modules.get(name)
         if module is not None:
             getattr(module, remove)()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import shardkit
-from shardkit.sharding.module_api import get_state
+from shardkit.sharding.surface.module_api import get_state
 
 
 class Block(nn.Module):

@@ -356,7 +356,7 @@ def bytes_one_step(rank: int, world: int, strategy: str, shard_kwargs: dict | No
     F.cross_entropy(model(x), y).backward()
     stats = shardkit.comm_stats(model, reset=True)
     n = views[0].shard_group.size
-    from shardkit.sharding.module_api import get_state
+    from shardkit.sharding.surface.module_api import get_state
 
     return {"stats": stats, "P": sum(v.full_shape.numel() for v in views),
             # FULL_SHARD gathers the root once a step: it keeps its parameters for backward

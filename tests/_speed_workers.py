@@ -101,7 +101,7 @@ def profile_run(rank: int, world: int) -> dict:
     """Names of the profiler ranges one FULL_SHARD step records, and the no-profiler fast path."""
     from torch.profiler import ProfilerActivity, profile
 
-    from shardkit.sharding.trace import trace_range
+    from shardkit.sharding.step.trace import trace_range
 
     model = _sharded("FULL_SHARD", world)
     _train(model, rank)  # warm-up (records the prefetch order)

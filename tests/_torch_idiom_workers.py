@@ -13,8 +13,8 @@ from torch.nn.utils import clip_grad_norm_ as clip_imported_early  # bound befor
 
 import shardkit
 from shardkit.errors import ShardedStateDictWarning, ShardkitError
-from shardkit.sharding.torch_norms import _ORIGINAL_TOTAL_NORM
-from shardkit.sharding.whole_view import local_of
+from shardkit.sharding.surface.torch_norms import _ORIGINAL_TOTAL_NORM
+from shardkit.sharding.step.whole_view import local_of
 from torch.distributed.tensor import DTensor
 
 from _models import Block, TinyNet, batch, global_batch

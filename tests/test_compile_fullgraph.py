@@ -1,5 +1,5 @@
 """torch.compile(model, fullgraph=True) on a sharded model (issue 17 item 3): one graph over every
-unit, the engine's gather and reduce as custom ops inside it (sharding/traced.py)."""
+unit, the engine's gather and reduce as custom ops inside it (sharding/step/traced.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _check(name: str, world: int = 2) -> None:
     if name in ("FULL_SHARD", "SHARD_GRAD_OP") and world == 2:
         # Kept gathered (SHARD_GRAD_OP): forward's gathers only. FULL_SHARD gathers every unit
         # again in backward except the root, which keeps its 5,248 bytes from forward to
-        # backward (sharding/reshard.py).
+        # backward (sharding/setup/reshard.py).
         per_step = result["compiled"]["gathered"][0]
         assert per_step == (81472 if name == "SHARD_GRAD_OP" else 2 * 81472 - 5248)
 

@@ -52,7 +52,7 @@ def test_block_compile_every_configuration(world):
 def test_whole_model_compile_runs_ten_steps_like_fsdp2():
     # torch.compile(model) on the sharded model: same losses as FSDP2 and as eager, no
     # recompilation after the second step, no more graph breaks or graphs than FSDP2. dynamo
-    # traces shardkit's hooks into the graph (sharding/traced.py), so its breaks are only
+    # traces shardkit's hooks into the graph (sharding/step/traced.py), so its breaks are only
     # transformers' own (a logging call in the loss: 3 on torch 2.13, 2 graphs) where FSDP2
     # breaks at every block too (5 breaks, 5 graphs).
     from _compile_workers import compiled_model

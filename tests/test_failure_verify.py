@@ -7,7 +7,7 @@ import re
 import pytest
 
 import shardkit
-from shardkit.sharding.verify import requested
+from shardkit.sharding.step.verify import requested
 from shardkit.spawn import SpawnError
 
 from _verify_workers import diverge, two_verified_models

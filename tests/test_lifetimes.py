@@ -90,7 +90,7 @@ def test_every_module_global_that_holds_state_is_in_the_process_state_table():
     assert not missing, ("module-level state that shardkit/process_state.py does not list (add a "
                          f"Held entry: what, why process-wide, installed, removed, reset): {missing}")
     # The scanner sees what it must: the registry behind issue 33 and a `global` counter.
-    assert {"shardkit.sharding.hooks:_UNIT_OF", "shardkit.sharding.fingerprint:_calls",
+    assert {"shardkit.sharding.step.hooks:_UNIT_OF", "shardkit.sharding.setup.fingerprint:_calls",
             "shardkit.checkpoint.background:_pending"} <= found
 
 

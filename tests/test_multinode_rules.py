@@ -13,7 +13,7 @@ from torch import nn
 import shardkit
 from shardkit.errors import ShardkitError
 from shardkit.planner.nodes import inter_node_by_rank
-from shardkit.sharding.traffic import CommStats, successor_off_node
+from shardkit.sharding.step.traffic import CommStats, successor_off_node
 from shardkit_backends.cpu.interface import gloo_interface, interface_with_address
 
 MB = 1 << 20

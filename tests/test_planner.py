@@ -18,7 +18,7 @@ from torch import nn
 import shardkit
 from shardkit.cli.main import main
 from shardkit.install_hint import pip_install_extra
-from shardkit.sharding.layout import shard_layout
+from shardkit.sharding.step.layout import shard_layout
 
 from _planner_models import LLAMA2_7B, LLAMA2_7B_PARAMS, LlamaShapedLayer, llama2_7b_shape
 

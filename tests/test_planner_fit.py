@@ -11,7 +11,7 @@ from shardkit.planner.cli import memory_size
 from shardkit.planner.fit import fit_table, largest_batch, smallest_world_size
 from shardkit.planner.replay import ALLOC, FREE, StepRecord, Timeline
 from shardkit.planner.workload import Workload, unit_sizes
-from shardkit.sharding.plan import plan_units
+from shardkit.sharding.setup.plan import plan_units
 from shardkit.wrap import as_policy, transformer_layers
 
 transformers = pytest.importorskip("transformers")

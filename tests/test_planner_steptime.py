@@ -12,8 +12,8 @@ import shardkit
 from shardkit.cli.main import main
 from shardkit.planner.compute_times import measure_unit_times
 from shardkit.planner.steptime import LINKS, Link, Topology, UnitTimes, collective_seconds, step_time
-from shardkit.sharding.plan import plan_units
-from shardkit.sharding.traffic import CommStats
+from shardkit.sharding.setup.plan import plan_units
+from shardkit.sharding.step.traffic import CommStats
 from shardkit.wrap import as_policy
 
 

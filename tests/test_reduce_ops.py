@@ -1,4 +1,4 @@
-"""The engine's choice of reduce ops (sharding/reduce_ops.py) for every combination, without hardware,
+"""The engine's choice of reduce ops (sharding/step/reduce_ops.py) for every combination, without hardware,
 and the Backend API's handling of "avg" / "premul_sum"."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 from shardkit import Capabilities, ShardkitError, UnsupportedOperationError
 from shardkit.handles import Group
-from shardkit.sharding.reduce_ops import divide_factors
-from shardkit.sharding.reduce_ops import ReducePlan, reduce_plan
+from shardkit.sharding.step.reduce_ops import divide_factors
+from shardkit.sharding.step.reduce_ops import ReducePlan, reduce_plan
 from shardkit_backends.cpu import CPUBackend
 from shardkit_backends.xla import XLABackend
 from shardkit_backends.xpu import XPUBackend

@@ -1,4 +1,4 @@
-"""shard() keeps names and exposes the engine <-> checkpoint contract (shardkit/sharding/views.py)."""
+"""shard() keeps names and exposes the engine <-> checkpoint contract (shardkit/sharding/surface/views.py)."""
 
 from __future__ import annotations
 

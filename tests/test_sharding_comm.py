@@ -19,7 +19,7 @@ def test_full_shard_bytes_match_the_formula_within_padding():
     for b in _bytes(3, "FULL_SHARD"):
         n, p, padded = b["shard_group"], b["P"], b["padded"]
         # Two all-gathers and one reduce-scatter per unit, except the root, gathered once: it
-        # keeps its parameters from forward to backward (sharding/reshard.py).
+        # keeps its parameters from forward to backward (sharding/setup/reshard.py).
         root = b["padded_root"]
         assert 0 < root < padded
         formula = (n - 1) / n * (2 * FP32 + FP32) * p - (n - 1) / n * FP32 * root

@@ -17,11 +17,11 @@ from torch import nn
 import shardkit
 from shardkit.errors import ShardkitError
 from shardkit.handles import Group
-from shardkit.sharding.buffers import BufferPool
-from shardkit.sharding.collectives import copy_out, pack_grads
-from shardkit.sharding.reduce_ops import divide_factors
-from shardkit.sharding.groups import GroupMaker, make_groups
-from shardkit.sharding.param import ShardedParam
+from shardkit.sharding.step.buffers import BufferPool
+from shardkit.sharding.step.collectives import copy_out, pack_grads
+from shardkit.sharding.step.reduce_ops import divide_factors
+from shardkit.sharding.setup.groups import GroupMaker, make_groups
+from shardkit.sharding.step.param import ShardedParam
 from shardkit.sharding.policies import ShardingStrategy
 
 ODD_SHAPES = [(5, 3), (7,), (1,), (2, 1, 3)]  # 15, 7, 1, 6 elements: none divides evenly by 3 or 4

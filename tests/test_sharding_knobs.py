@@ -97,7 +97,7 @@ def test_explicit_prefetch_order_is_followed_and_trains_the_same():
         assert _ok(r["parity"]["explicit_prefetch"])
         default, explicit = r["prefetch"]["default"], r["prefetch"]["explicit"]
         # The bounded default follows the recorded order (forward) and its reverse (backward);
-        # backward gathers no root: it kept its parameters from forward (sharding/reshard.py).
+        # backward gathers no root: it kept its parameters from forward (sharding/setup/reshard.py).
         assert default["orders"][1] == {"forward": ["<root>", "blocks.0", "blocks.1"],
                                         "backward": ["blocks.1", "blocks.0"]}
         for step in explicit["orders"]:  # explicit lists apply from the first step

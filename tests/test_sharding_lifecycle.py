@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardkit.errors import ShardkitError
-from shardkit.sharding.lifecycle import (SHARDED_MOVES, TRAINING_MOVES, ShardedState,
+from shardkit.sharding.step.lifecycle import (SHARDED_MOVES, TRAINING_MOVES, ShardedState,
                                          TrainingState, advance)
 
 S, T = ShardedState, TrainingState

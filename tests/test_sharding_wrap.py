@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 import shardkit
-from shardkit.sharding.plan import plan_units
+from shardkit.sharding.setup.plan import plan_units
 from shardkit.wrap import as_policy
 
 from _models import Block, TinyNet

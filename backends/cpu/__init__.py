@@ -27,7 +27,7 @@ class CPUBackend(Backend):
     # No exact_reduce_ops: gloo's AVG (torch >= 2.8) is itself a SUM then a divide, so it would
     # save no kernel, and older gloo has none.
     # Host copies run on the compute cores at memory speed, as slow per byte as gloo itself:
-    # params of 1M+ elements skip the copy-out and gradient packing (sharding/buckets.py).
+    # params of 1M+ elements skip the copy-out and gradient packing (sharding/step/buckets.py).
     capabilities = Capabilities(has_streams=False, async_collectives=True,
                                 supports_storage_resize=True, shard_alignment=1,
                                 direct_collective_numel=1 << 20,

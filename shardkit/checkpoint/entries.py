@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..sharding.views import ShardView, shard_views
+from ..sharding.surface.views import ShardView, shard_views
 from .errors import CheckpointError
 
 MODEL_PREFIX = "model/"

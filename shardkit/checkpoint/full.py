@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..sharding.views import iter_unit_full_params, load_full_param_
+from ..sharding.surface.views import iter_unit_full_params, load_full_param_
 from . import collective, manifest as mf
 from .entries import model_entries
 from .errors import CheckpointError

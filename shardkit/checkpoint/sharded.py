@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from .._version import __version__
-from ..sharding.views import ShardView, sharding_info
-from ..sharding.whole_view import local_of
+from ..sharding.surface.views import ShardView, sharding_info
+from ..sharding.step.whole_view import local_of
 from . import collective, manifest as mf
 from .dcp_io import FlatChunk, load_chunks, save_chunks
 from .disk_full import name_a_full_disk

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..planner.optimizers import STATE_TENSORS_PER_PARAM
-from ..sharding.param_access import held_numel
-from ..sharding.whole_view import local_of
+from ..sharding.surface.param_access import held_numel
+from ..sharding.step.whole_view import local_of
 
 MB = 1024 * 1024
 

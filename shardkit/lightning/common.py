@@ -63,7 +63,7 @@ def shard_module(module: torch.nn.Module, options: dict[str, Any], precision: st
                  backend: str | None, device: torch.device) -> torch.nn.Module:
     """shard() `module` in place once (the precision flag picks MixedPrecision unless given)."""
     from ..sharding.api import shard
-    from ..sharding.hooks import unit_of
+    from ..sharding.step.hooks import unit_of
 
     if unit_of(module) is not None:  # the Trainer sets up again for validate()/test() after fit()
         return module

@@ -108,7 +108,7 @@ class ShardkitFabricStrategy(RankPlace, ParallelStrategy):
     def clip_gradients_norm(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                             max_norm: float | int, norm_type: float | int = 2.0,
                             error_if_nonfinite: bool = True) -> torch.Tensor:
-        from ..sharding.clip import clip_grad_norm_
+        from ..sharding.surface.clip import clip_grad_norm_
 
         self.precision.unscale_gradients(optimizer)
         norm = clip_grad_norm_(module, float(max_norm), float(norm_type))

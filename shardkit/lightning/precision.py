@@ -71,7 +71,7 @@ def clip_over_shards(plugin: Any, model: torch.nn.Module) -> None:
 
 
 def _clip_grad_by_norm(self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-    from ..sharding.clip import clip_grad_norm_
+    from ..sharding.surface.clip import clip_grad_norm_
 
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     model = self._shardkit_model

@@ -94,7 +94,7 @@ class ShardkitStrategy(RankPlace, ParallelStrategy):
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        from ..sharding.forward_methods import register_forward_method
+        from ..sharding.surface.forward_methods import register_forward_method
 
         model = shard_module(model, self._shard_options, self.precision_plugin.precision,
                              self._backend, self.root_device)

@@ -265,7 +265,7 @@ def record_step(model: nn.Module, units: list[nn.Module], batch: int, seq: int,
 
     `units` are the engine's unit modules of `model` in its order, root last. Gradients are
     dropped as the engine drops them; its own buffers are left to the replay (replay.py)."""
-    from ..sharding.recipes import checkpoint_layers
+    from ..sharding.surface.recipes import checkpoint_layers
 
     with torch.device("meta"):
         twin = copy.deepcopy(model).to("meta")  # hooks, casts and checkpointing stay off `model`

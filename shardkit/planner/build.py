@@ -20,13 +20,13 @@ from torch import nn
 
 from ..capabilities import AttentionCall, Capabilities, fused_attention_on_cpu
 from ..errors import ShardkitError
-from ..sharding.buckets import collective_buckets
-from ..sharding.traffic import CommStats
-from ..sharding.groups import shard_group_size
-from ..sharding.layout import shard_layout
-from ..sharding.plan import ParamPlan, UnitPlan, plan_units
+from ..sharding.step.buckets import collective_buckets
+from ..sharding.step.traffic import CommStats
+from ..sharding.setup.groups import shard_group_size
+from ..sharding.step.layout import shard_layout
+from ..sharding.setup.plan import ParamPlan, UnitPlan, plan_units
 from ..sharding.policies import MixedPrecision, ShardConfig, ShardingStrategy
-from ..sharding.reshard import ReshardSpec, resolve, unit_label
+from ..sharding.setup.reshard import ReshardSpec, resolve, unit_label
 from ..sharding.wrap_policies import WrapPolicy, as_policy
 from .activations import InputsFn
 from .nodes import inter_node_by_rank

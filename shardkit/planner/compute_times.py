@@ -58,7 +58,7 @@ def measure_unit_times(units: list[nn.Module], forward: Callable[[], torch.Tenso
                        repeats: int = 5) -> UnitTimes:
     """Median forward / backward seconds of each unit's own ops (nested units subtracted).
 
-    `units` are the engine's units in its order, root last (shardkit.sharding.plan.plan_units),
+    `units` are the engine's units in its order, root last (shardkit.sharding.setup.plan.plan_units),
     of a model that is not sharded; `forward` runs one forward and returns the loss. The root's
     share is the whole forward (loss included) or backward less the other units'. A unit whose
     inputs need no gradient (a first layer fed raw data) has its backward counted in the root's:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ..errors import ShardkitError
-from ..sharding.plan import plan_units
+from ..sharding.setup.plan import plan_units
 from ..sharding.policies import ShardConfig
 from ..sharding.wrap_policies import as_policy
 from .activations import InputsFn

@@ -2,7 +2,7 @@
 
 A rank's ring sends go to the next rank of the group it collects in; ranks are numbered node by
 node. Shard groups (and reshard_after_forward=k groups) are runs of consecutive ranks, replica
-groups take every shard-group-size-th rank, exactly as sharding/groups.py builds them, so the
+groups take every shard-group-size-th rank, exactly as sharding/setup/groups.py builds them, so the
 prediction equals what comm_stats(model)["inter_node"] counts on each rank.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable
 
-from ..sharding.traffic import KINDS, bytes_sent, successor_off_node
+from ..sharding.step.traffic import KINDS, bytes_sent, successor_off_node
 
 
 def ring_of(kind: str, size: int, rank: int, world: int, shard_group: int) -> list[int]:

@@ -1,33 +1,22 @@
 """The sharding engine: per-parameter shards, per-unit flat collectives, hook-driven runtime.
 
-Layout (one job per file): policies (strategy, MixedPrecision, config), plan (which module is a
-unit, which unit owns each parameter), groups (shard / replicate groups, destroyed when their model dies), layout (a parameter's
-dim-0 row split), param (one parameter's shard and gathered tensor), whole_view (the
-DeviceMesh and the DTensor of the whole parameter training code sees; .item() of a partial
-value refused), param_access (global
-shape, full tensor and local rows of a sharded parameter, for training code), collectives
-(fused copy-in, collective, fused copy-out; divide factors), buffers (flat-buffer reuse on
-host-ordered devices), lifecycle (a unit's ShardedState / TrainingState machines), reshard
-(per-unit reshard_after_forward values, k-rank groups), unit (the lifecycle transitions and the
-reduce of one unit), state (per-model context, execution order, prefetch, backward finaliser),
-hooks (module and autograd hooks), forward_methods (other methods run under the hooks),
-reduce_ops (AVG / PREMUL_SUM or SUM + divide), materialize (meta-device init), replicas
-(compare replicated values across ranks, or copy rank 0's), api (shard()), module_api
-(no_sync, unshard, gradient sync, explicit prefetch; dtype/device changes refused), clip
-(clip_grad_norm_), torch_norms (torch's clip_grad_norm_/get_total_norm see whole parameters),
-state_dict_hooks (state_dict() tags and warns, load_state_dict() cuts a full dict to rows),
-traffic (bytes sent), views (the checkpoint contract), trace (`shardkit::` profiler ranges, free
-without a profiler).
+Three rooms and the entry point: api (shard(), five named steps), setup/ (what runs once inside
+shard(): the unit plan, groups, reshard values, meta init, cross-rank checks), step/ (what runs
+every training step: state, units, parameters, hooks, collectives, the compiled-graph ops), and
+surface/ (what a sharded model offers training code: no_sync and unshard, full tensors, views for
+checkpoints, clipping, state_dict). Imports run api -> setup -> surface -> step, never back; each
+room's __init__ lists its files. Beside them, two leaves every room reads: policies (strategy,
+MixedPrecision, the frozen config) and wrap_policies (which modules become units:
+shardkit.wrap.*).
 """
 
 from .api import shard
-from .clip import clip_grad_norm_
-from .forward_methods import register_forward_method
-from .module_api import ShardedModule, get_state
-from .param_access import full_shape, full_tensor, local_shard
+from .surface.clip import clip_grad_norm_
+from .surface.forward_methods import register_forward_method
+from .surface.module_api import ShardedModule, get_state
+from .surface.param_access import full_shape, full_tensor, local_shard
 from .policies import MixedPrecision, ShardingStrategy
-from .views import (ShardView, iter_unit_full_params, load_full_param_, shard_views,
-                    sharding_info)
+from .surface.views import (ShardView, iter_unit_full_params, load_full_param_, shard_views, sharding_info)
 
 
 def comm_stats(model, reset: bool = False) -> dict:

@@ -21,24 +21,24 @@ from ..handles import Group
 from ..logs import logger
 from ..runtime import DistContext, require_context
 from .wrap_policies import WrapPolicy, as_policy
-from . import hooks
-from .fingerprint import check_same_model, describe
-from .stale_optimizer import remember_replaced
-from .verify import maybe_wrap
-from .groups import GroupMaker, make_groups, shard_group_size
-from .materialize import has_meta, materialize
-from .module_api import STATE_ATTR, sharded_class
-from .param_access import is_sharded_param, remember_params
-from .whole_view import make_mesh, refuse_partial_items
-from . import state_dict_hooks, torch_norms
-from .param import ShardedParam
-from .plan import ParamPlan, UnitPlan, all_param_plans, plan_units
+from .step import hooks
+from .setup.fingerprint import check_same_model, describe
+from .setup.stale_optimizer import remember_replaced
+from .step.verify import maybe_wrap
+from .setup.groups import GroupMaker, make_groups, shard_group_size
+from .setup.materialize import has_meta, materialize
+from .surface.module_api import STATE_ATTR, sharded_class
+from .surface.param_access import is_sharded_param, remember_params
+from .step.whole_view import make_mesh, refuse_partial_items
+from .surface import state_dict_hooks, torch_norms
+from .step.param import ShardedParam
+from .setup.plan import ParamPlan, UnitPlan, all_param_plans, plan_units
 from .policies import MixedPrecision, ShardConfig, ShardingStrategy
-from .report import log_sharding
-from .replicas import broadcast_from_first, check_replicas
-from .reshard import ReshardSpec, frees_without_backward, make_reshard_groups, resolve
-from .state import ShardState
-from .unit import ShardUnit
+from .setup.report import log_sharding
+from .setup.replicas import broadcast_from_first, check_replicas
+from .setup.reshard import ReshardSpec, frees_without_backward, make_reshard_groups, resolve
+from .step.state import ShardState
+from .step.unit import ShardUnit
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -11,11 +11,11 @@ from __future__ import annotations
 import weakref
 from typing import Sequence
 
-from ..backend import Backend
-from ..errors import ShardkitError
-from ..handles import Group
-from ..logs import logger
-from .policies import ShardingStrategy
+from ...backend import Backend
+from ...errors import ShardkitError
+from ...handles import Group
+from ...logs import logger
+from ..policies import ShardingStrategy
 
 
 class GroupMaker:

@@ -7,7 +7,7 @@ from torch import nn
 
 from .module_api import get_state
 from .torch_norms import counted_rows, total_norm_of
-from .whole_view import local_of
+from ..step.whole_view import local_of
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -15,7 +15,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
 
     The same answer as torch.nn.utils.clip_grad_norm_(module.parameters(), ...) on the unsharded
     model: each gradient shard's norm becomes its whole parameter's over the shard group
-    (sharding/torch_norms.py), then torch combines them.
+    (sharding/surface/torch_norms.py), then torch combines them.
     """
     state = get_state(module)
     params = [sp for sp in state.iter_params() if sp.sharded.grad is not None]

@@ -7,8 +7,8 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import ShardkitError
-from .hooks import eager_post_forward, eager_pre_forward, unit_of
+from ...errors import ShardkitError
+from ..step.hooks import eager_post_forward, eager_pre_forward, unit_of
 
 _WRAPPED = "__shardkit_forward_method__"
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..handles import ReduceOp
+from ...handles import ReduceOp
 
 
 @dataclass(frozen=True)

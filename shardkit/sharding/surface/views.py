@@ -31,11 +31,11 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..errors import ShardkitError
-from ..handles import Group
-from .collectives import gather_full
+from ...errors import ShardkitError
+from ...handles import Group
+from ..step.collectives import gather_full
 from .module_api import get_state
-from .param import ShardedParam
+from ..step.param import ShardedParam
 
 
 @dataclass(frozen=True)

@@ -8,17 +8,15 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from ..backend import Backend
-from ..handles import Group
+from ...backend import Backend
+from ...handles import Group
 from .buckets import Bucket, collective_buckets
-from .collectives import (PendingGather, PendingReduce, copy_out, finish_reduce, grad_as_input,
-                          pack_grads, start_all_gather, start_reduce_scatter)
-from .lifecycle import (SHARDED_MOVES, TRAINING_MOVES, ShardedState, TrainingState,
-                        advance)
+from .collectives import (PendingGather, PendingReduce, copy_out, finish_reduce, grad_as_input, pack_grads, start_all_gather, start_reduce_scatter)
+from .lifecycle import (SHARDED_MOVES, TRAINING_MOVES, ShardedState, TrainingState, advance)
 from .param import ShardedParam
 from .reduce_ops import reduce_plan
 from .buffers import BufferPool
-from .policies import ShardConfig
+from ..policies import ShardConfig
 from .trace import trace_range
 from .traffic import CommStats
 

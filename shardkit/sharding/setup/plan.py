@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .wrap_policies import WrapPolicy
+from ..wrap_policies import WrapPolicy
 
 
 @dataclass

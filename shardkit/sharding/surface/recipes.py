@@ -13,9 +13,9 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from ..errors import ShardkitError
-from .hooks import compile_unit, unit_of
-from .wrap_policies import TransformerLayers
+from ...errors import ShardkitError
+from ..step.hooks import compile_unit, unit_of
+from ..wrap_policies import TransformerLayers
 
 
 def _instances(model: nn.Module, classes: Iterable[type] | type, what: str) -> list[nn.Module]:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import ShardkitError
+from ...errors import ShardkitError
 from .casts import cast_inputs
 from .state import state_of
 from .collectives import gather_full, pack_grads, reduced_row, row_sizes, start_reduce_scatter

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from ..backend import Backend
-from ..env_flags import UNORDERED_REDUCE, env_flag
-from ..handles import Group, Work
+from ...backend import Backend
+from ...env_flags import UNORDERED_REDUCE, env_flag
+from ...handles import Group, Work
 from .buffers import BufferPool
 from .traffic import CommStats
 from .param import ShardedParam
@@ -250,7 +250,7 @@ def share_replicated_scalars(params: Sequence[ShardedParam], row: torch.Tensor,
     """Give every rank of the shard group the reduced gradient of each replicated 0-d parameter.
 
     The reduce-scatter leaves such a gradient on shard rank 0 (the others' slots are zero), but
-    every rank holds and steps the parameter (sharding/whole_view.py). One small sum over the
+    every rank holds and steps the parameter (sharding/step/whole_view.py). One small sum over the
     group, to which the other ranks add exact zeros, hands out rank 0's value bit for bit, so the
     replicas stay identical (summing the gradient into every rank's slot instead would round
     differently per slot at 3+ ranks).

@@ -1,6 +1,6 @@
 """One original parameter under sharding: its master shard (whole rows) and its gathered full tensor.
 
-Layout (sharding/layout.py): the parameter is split along dim 0 into `rows_per_rank` rows per
+Layout (sharding/step/layout.py): the parameter is split along dim 0 into `rows_per_rank` rows per
 rank of the shard group, padded with rows at the end. The shard keeps the parameter's
 dimensions (a (32, 16) weight is a (rows_per_rank, 16) tensor) because training scripts branch
 on them: a weight-decay rule on `p.dim() >= 2` silently decays nothing when shards are 1-D.
@@ -8,7 +8,7 @@ Flattened, rank r's shard is elements [r*shard_numel, (r+1)*shard_numel) of the 
 right-padded parameter, so every collective works on flat views as before.
 The engine keeps each shard as that plain padded tensor (`local`); the sharded nn.Parameter (what
 the optimizer owns) is either the same rows or, where a DeviceMesh exists, a DTensor of the whole
-parameter whose local tensor is a view of `local`'s real rows (sharding/whole_view.py: torch's
+parameter whose local tensor is a view of `local`'s real rows (sharding/step/whole_view.py: torch's
 idioms then see whole parameters). It is registered on the owning module(s) outside
 forward/backward; the unsharded nn.Parameter (full shape, compute dtype) is registered while the
 unit computes. The unsharded one is the same Python object for the whole run, so tensors autograd
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..backend import Backend
-from ..handles import Group
+from ...backend import Backend
+from ...handles import Group
 from .layout import shard_layout
 from .whole_view import local_of, placements, whole, whole_spec
 
@@ -127,7 +127,7 @@ class ShardedParam:
     def load_full(self, full: torch.Tensor) -> None:
         """Copy this rank's slice of a full tensor into the shard in place; padding becomes zero."""
         if tuple(full.shape) != tuple(self.full_shape):
-            from ..errors import ShardkitError
+            from ...errors import ShardkitError
 
             raise ShardkitError(f"parameter {self.fqn!r} has shape {tuple(self.full_shape)} but the "
                                 f"tensor given has shape {tuple(full.shape)}")

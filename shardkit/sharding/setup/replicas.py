@@ -30,9 +30,9 @@ from typing import Iterable
 
 import torch
 
-from ..backend import Backend
-from ..errors import ShardkitError
-from ..handles import Group, ReduceOp
+from ...backend import Backend
+from ...errors import ShardkitError
+from ...handles import Group, ReduceOp
 
 CHUNK_ELEMENTS = 1 << 24  # small tensors packed into one compare broadcast (64 MiB of fp32)
 ALONE_ELEMENTS = 1 << 20  # tensors at least this large are broadcast alone, not copied
@@ -162,7 +162,7 @@ def check_model_replicas(model: torch.nn.Module) -> None:
     copy (a buffer updated on one rank only, a parameter edited outside the optimizer, a
     partial load). Costs one broadcast of the replicated bytes.
     """
-    from .module_api import get_state
+    from ..surface.module_api import get_state
 
     state = get_state(model)
     check_replicas([(sp.fqn, sp.local) for sp in state.iter_params()], state.replica_group,

@@ -1,6 +1,6 @@
 """Training code's view of a sharded parameter: its global shape, its full tensor, its rows.
 
-After shard() a parameter is a DTensor of the whole parameter (sharding/whole_view.py), whose own
+After shard() a parameter is a DTensor of the whole parameter (sharding/step/whole_view.py), whose own
 shape and full_tensor() already answer for the whole; where no DeviceMesh exists (XLA's device
 threads) it is this rank's rows (same dimensions, fewer rows). These functions answer the same
 on both routes, so code that needs the whole tensor (an optimizer that orthogonalises whole
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import ShardkitError
-from .whole_view import full_of, is_dtensor
+from ...errors import ShardkitError
+from ..step.whole_view import full_of, is_dtensor
 
 if TYPE_CHECKING:
-    from .param import ShardedParam
-    from .state import ShardState
+    from ..step.param import ShardedParam
+    from ..step.state import ShardState
 
 _REGISTRY: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref]] = {}
 

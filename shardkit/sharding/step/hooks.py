@@ -10,8 +10,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from typing_extensions import override
 
-from ..errors import ShardkitError
-from ..failure import where
+from ...errors import ShardkitError
+from ...failure import where
 from .state import state_of
 from . import traced
 from .casts import cast_floats, cast_inputs

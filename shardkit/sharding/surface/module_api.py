@@ -12,9 +12,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..errors import ShardkitError
-from .state import ShardState
-from .unit import ShardUnit
+from ...errors import ShardkitError
+from ..step.state import ShardState
+from ..step.unit import ShardUnit
 
 STATE_ATTR = "_shardkit_state"
 # original class -> its Sharded subclass: one class per model class, however many models shard().

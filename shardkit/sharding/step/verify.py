@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from ..backend import Backend
-from ..env_flags import DEBUG, env_flag
-from ..errors import ShardkitError
-from ..failure import where
-from ..failure.watchdog import default_store_client
-from ..handles import Group, ReduceOp, Work
+from ...backend import Backend
+from ...env_flags import DEBUG, env_flag
+from ...errors import ShardkitError
+from ...failure import where
+from ...failure.watchdog import default_store_client
+from ...handles import Group, ReduceOp, Work
 from .collectives import factor_kwargs
 
 ENV = DEBUG  # the one SHARDKIT_DEBUG, named in env_flags

@@ -6,12 +6,12 @@ from typing import Iterable
 
 import torch
 
-from ..backend import Backend
-from ..handles import Group
+from ...backend import Backend
+from ...handles import Group
 from .buffers import BufferPool
 from .collectives import PendingReduce
 from .traffic import CommStats
-from .policies import ShardConfig
+from ..policies import ShardConfig
 from .trace import trace_range
 from .unit import ShardUnit
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from ..errors import ShardkitError
-from ..failure.watchdog import default_store_client
-from ..handles import Group
+from ...errors import ShardkitError
+from ...failure.watchdog import default_store_client
+from ...handles import Group
 from .plan import UnitPlan
-from .policies import ShardConfig
+from ..policies import ShardConfig
 
 MAX_DIFFERENCES = 5
 _PREFIX = "shardkit/model/"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import TypeVar
 
-from ..errors import ShardkitError
+from ...errors import ShardkitError
 
 
 class ShardedState(Enum):

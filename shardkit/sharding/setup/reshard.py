@@ -21,11 +21,11 @@ from typing import Callable, Mapping, Union
 
 from torch import nn
 
-from ..errors import ShardkitError
-from ..handles import Group
+from ...errors import ShardkitError
+from ...handles import Group
 from .groups import GroupMaker
 from .plan import UnitPlan
-from .policies import ShardConfig, ShardingStrategy
+from ..policies import ShardConfig, ShardingStrategy
 
 Reshard = Union[bool, int, None]
 ReshardSpec = Union[Reshard, Mapping[str, Reshard], Callable[[str, nn.Module], Reshard]]

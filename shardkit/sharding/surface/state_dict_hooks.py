@@ -1,7 +1,7 @@
 """torch's state_dict()/load_state_dict() on a sharded model: never half a model, silently.
 
 After shard() each parameter is a DTensor whose local tensor is this rank's rows (or, without a
-mesh, the rows themselves: sharding/whole_view.py), so `model.state_dict()` holds this rank's part
+mesh, the rows themselves: sharding/step/whole_view.py), so `model.state_dict()` holds this rank's part
 of the model: each value's `.full_tensor()` (collective) is the whole tensor, as with FSDP2.
 Three habits would go wrong without a word (issue 40):
 
@@ -26,9 +26,9 @@ import warnings
 import torch
 from torch import nn
 
-from ..errors import ShardedStateDictWarning, ShardkitError
+from ...errors import ShardedStateDictWarning, ShardkitError
 from .module_api import get_state
-from .whole_view import is_dtensor, local_of
+from ..step.whole_view import is_dtensor, local_of
 
 TAG = "shardkit_shard"  # key in the sharded module's state_dict _metadata entry
 

@@ -32,9 +32,9 @@ import torch
 import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad_module
 
-from ..errors import ShardkitError
+from ...errors import ShardkitError
 from . import param_access
-from .whole_view import local_of
+from ..step.whole_view import local_of
 
 _ORIGINAL_TOTAL_NORM: Callable[..., torch.Tensor] = clip_grad_module._get_total_norm
 _TORCH_CLIP: Callable[..., torch.Tensor] = clip_grad_module.clip_grad_norm_

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any, Sequence
 
-from ..logs import logger
+from ...logs import logger
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 

@@ -16,8 +16,8 @@ import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from ..errors import ShardkitError
-from ..failure import where
+from ...errors import ShardkitError
+from ...failure import where
 from .plan import ParamPlan
 
 # id(original parameter) -> (weak reference to it, its name); ids are checked against the

@@ -12,14 +12,14 @@ of `rows_per_rank` rows (ShardedParam.local), which every collective reads and w
 DTensor's local tensor is a view of that tensor's real rows. The layouts agree because shardkit's
 row split is torch.chunk's (ceil(rows / N) rows per rank, the last ranks short or empty), which is
 what DTensor's Shard(0) means; a backend alignment that would widen the rows is not applied on
-this route (sharding/layout.py).
+this route (sharding/step/layout.py).
 
 Where the DTensor route applies (`make_mesh`): shard groups of more than one rank on a backend
 whose collectives run on torch.distributed process groups (a DeviceMesh is built from them), with
 the shards on the compute device's type (a DTensor's collectives run on its mesh's device type).
 Elsewhere parameters stay plain rows: one rank per shard group (NO_SHARD, a world of one) already
 holds whole parameters; a backend without torch process groups (XLA's device threads) has no
-mesh, and there torch's clip_grad_norm_ is covered by sharding/torch_norms.py and the other
+mesh, and there torch's clip_grad_norm_ is covered by sharding/surface/torch_norms.py and the other
 idioms need shardkit.full_shape / full_tensor.
 
 HYBRID_SHARD's mesh has two dimensions, (replicas, shard group): rows are Shard(0) inside a shard
@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..handles import Group
+from ...handles import Group
 
 
 def make_mesh(world: Group, shard_group: Group, replica_group: Group | None, device_type: str,
@@ -48,7 +48,7 @@ def make_mesh(world: Group, shard_group: Group, replica_group: Group | None, dev
     if replica_group is None or replica_group.size <= 1:
         return DeviceMesh.from_group(shard_group.handle, device_type)
     # HYBRID: shard groups are consecutive blocks of the world, replicas stride across them
-    # (sharding/groups.py), so the world's ranks laid out (replicas, shard) are the mesh.
+    # (sharding/setup/groups.py), so the world's ranks laid out (replicas, shard) are the mesh.
     layout = torch.tensor(world.ranks, dtype=torch.int).view(replica_group.size, shard_group.size)
     if (tuple(layout[replica_group.rank].tolist()) != tuple(shard_group.ranks)
             or tuple(layout[:, shard_group.rank].tolist()) != tuple(replica_group.ranks)):
@@ -133,7 +133,7 @@ _previous_item_handler: Any = None
 def _refuse_partial_item(op: Any, args: tuple, kwargs: dict) -> Any:
     tensor = args[0]
     if any(p.is_partial() for p in tensor.placements):
-        from ..errors import ShardkitError
+        from ...errors import ShardkitError
 
         raise ShardkitError(
             "this value was reduced over a sharded tensor (e.g. p.grad.norm() or p.sum() of a "

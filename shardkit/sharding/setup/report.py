@@ -7,8 +7,8 @@ import math
 
 from torch import nn
 
-from ..logs import logger
-from .state import ShardState
+from ...logs import logger
+from ..step.state import ShardState
 
 
 def log_sharding(model: nn.Module, state: ShardState) -> None:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..errors import ShardkitError
+from ...errors import ShardkitError
 
 
 def has_meta(module: nn.Module) -> bool:
