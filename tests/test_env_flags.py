@@ -49,7 +49,7 @@ def test_plugin_autoload_off_means_off(fake_plugins, monkeypatch):
 
 def test_debug_and_watchdog_are_named_once():
     from shardkit import failure
-    from shardkit.sharding import verify
+    from shardkit.sharding.step import verify
 
     assert failure.DEBUG_ENV is env_flags.DEBUG and verify.ENV is env_flags.DEBUG
     assert failure.WATCHDOG_ENV is env_flags.WATCHDOG

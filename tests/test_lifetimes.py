@@ -127,8 +127,9 @@ def test_reset_state_puts_back_everything_init_and_shard_installed(monkeypatch):
     import torch
     from torch.optim import optimizer as optim_hooks
 
-    from shardkit.sharding import (fingerprint, hooks, module_api, param_access,
-                                   stale_optimizer, traced)
+    from shardkit.sharding.setup import fingerprint, stale_optimizer
+    from shardkit.sharding.step import hooks, traced
+    from shardkit.sharding.surface import module_api, param_access
     from shardkit import selection, step_boundary
     from shardkit.plugin import manager
 
