@@ -15,13 +15,14 @@ from .errors import (BackendNotFoundError, BackendUnavailableError, PeerFailedEr
                      PluginLoadError, ShardkitError, UnsupportedOperationError)
 from .lightning.registration import install as _lightning_hook
 from .logs import configure_from_env as _configure_logging
-from .parent_death import arm_if_launched as _arm_if_launched
+from .job.parent_death import arm_if_launched as _arm_if_launched
 from .checkpoint import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                          IncompleteCheckpointError, StateDictMismatchError)
-# Bound now: each shares its name with the submodule that defines it, and a later import of that
-# submodule would otherwise put the module where the function belongs. Neither imports torch.
+# Bound now: replicate shares its name with the submodule that defines it, and a later import of
+# that submodule would otherwise put the module where the function belongs; spawn is bound with
+# it. Neither imports torch.
 from .replicate import replicate
-from .spawn import SpawnError, spawn
+from .job.spawn import SpawnError, spawn
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
     from . import checkpoint, wrap
@@ -33,10 +34,10 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .planner import Plan, plan
     from .plugin import hookimpl, hookspec
     from .plugin.manager import register_plugin
-    from .rendezvous import JobStoreError
-    from .runtime import DistContext, current_context, init, shutdown
+    from .job.rendezvous import JobStoreError
+    from .job.runtime import DistContext, current_context, init, shutdown
     from .seeding import seeded
-    from .selection import backend_statuses, get_backend
+    from .job.selection import backend_statuses, get_backend
     from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, comm_stats,
                            full_shape, full_tensor, local_shard, register_forward_method, shard)
     from .sharding.setup.replicas import check_model_replicas as check_replicas
@@ -53,10 +54,10 @@ _LAZY: dict[str, tuple[str, str]] = {
     **{name: (".planner", name) for name in ("Plan", "plan")},
     **{name: (".plugin", name) for name in ("hookimpl", "hookspec")},
     "register_plugin": (".plugin.manager", "register_plugin"),
-    "JobStoreError": (".rendezvous", "JobStoreError"),
-    **{name: (".runtime", name) for name in ("DistContext", "current_context", "init", "shutdown")},
+    "JobStoreError": (".job.rendezvous", "JobStoreError"),
+    **{name: (".job.runtime", name) for name in ("DistContext", "current_context", "init", "shutdown")},
     "seeded": (".seeding", "seeded"),
-    **{name: (".selection", name) for name in ("backend_statuses", "get_backend")},
+    **{name: (".job.selection", name) for name in ("backend_statuses", "get_backend")},
     **{name: (".sharding", name) for name in (
         "MixedPrecision", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "full_shape",
         "full_tensor", "local_shard", "register_forward_method", "shard")},

@@ -3,9 +3,14 @@
 A plugin subclasses `Backend` and fills in the seven required members; everything else has a
 default built on stock torch (`torch.distributed`, `torch.get_device_module`, `torch.Stream`).
 Defaults never name a vendor: a backend that needs something special overrides one method.
-Every optional member is called by the engine (sharding/, checkpoint/), runtime/spawn or the
-CLI; the one that is not (reset_peak_memory) says so. Ranks per machine come from
-max_local_ranks(): one per device by default, None (unlimited) where ranks share a host.
+The optional members stand in groups by who calls them, each group headed by what happens when
+a plugin leaves it out: class facts (read off the class without starting it: selection,
+`shardkit info`, the planner), joining the job (shardkit.job: init, spawn, `shardkit launch`),
+device operations (the engine every step), collectives (the engine, checkpoints, replica checks),
+host copies and memory figures (checkpoints, the demo), torch's own wrappers (replicate / DDP).
+The job's rendezvous is not the backend's: init() joins the job's store (job/rendezvous.py) and
+hands it over in LaunchEnv.store. Ranks per machine come from max_local_ranks(): one per device
+by default, None (unlimited) where ranks share a host.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ DeviceLike = torch.device | str | int | None
 class Backend:
     """Base class of every backend. Subclasses set the class attributes and required methods."""
 
-    # ---- required -------------------------------------------------------------------------
+    # ==== required: what every plugin writes
     name: ClassVar[str]  # what users pass as backend=..., e.g. "cpu"
     device_type: ClassVar[str]  # torch device type, e.g. "cpu"
 
@@ -58,7 +63,8 @@ class Backend:
         """Return the torch.distributed backend string, e.g. "gloo"."""
         raise NotImplementedError
 
-    # ---- optional class attributes ------------------------------------------------------------
+    # ==== class facts: read off the class, never started (selection, `shardkit info`, planner)
+    # Left out: the defaults below; the planner plans with the default Capabilities.
     priority: ClassVar[int] = 0  # auto-detection order: higher wins among available backends
     auto_select: ClassVar[bool] = True  # False: only chosen by name (or when auto_select_now())
     requires_api: ClassVar[int] = API_VERSION
@@ -67,7 +73,6 @@ class Backend:
     # another backend's device as "DEVICE+LIBRARY" (shardkit/composed.py), e.g. ("gloo",).
     collective_libraries: ClassVar[tuple[str, ...]] = ()
 
-    # ---- availability -------------------------------------------------------------------------
     @classmethod
     def unavailable_reason(cls) -> str:
         """Return why is_available() is False, in words a user can act on."""
@@ -87,10 +92,13 @@ class Backend:
     def __repr__(self) -> str:
         return f"<shardkit backend {self.name!r} device_type={self.device_type!r}>"
 
-    # ---- devices ------------------------------------------------------------------------------
-    def device_module(self) -> Any:
-        """Return the torch module for this device type (``torch.get_device_module``); the stream, memory and sync defaults call it."""
-        return torch.get_device_module(self.device_type)
+    # ==== joining the job: runtime.init(), spawn, `shardkit launch`
+    # Left out: torchrun-style environment variables, one rank per device, the device made
+    # current through torch.get_device_module, a torch.distributed default group on the job's
+    # store, torchrun as the launcher.
+    def launch_env(self) -> LaunchEnv:
+        """Return this process's place in the job (backends whose ranks are threads override)."""
+        return detect_launch_env()
 
     def max_local_ranks(self) -> int | None:
         """Return how many ranks one machine can run: one per device by default; None for as many as asked."""
@@ -131,6 +139,72 @@ class Backend:
         if device.index is not None and hasattr(module, "set_device"):
             module.set_device(device)
 
+    def process_group_options(self, env: LaunchEnv) -> dict[str, Any]:
+        """Extra keyword arguments for init_process_group: the one place a device_id policy lives."""
+        return {}
+
+    def init_process_group(self, env: LaunchEnv, timeout: datetime.timedelta) -> Group:
+        """Join (or create) the default process group for this job and return the world group."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return self.world_group()
+        options = dict(backend=self.process_group_backend(), rank=env.rank,
+                       world_size=env.world_size, timeout=timeout,
+                       **self.process_group_options(env))
+        if env.master_port is None:
+            # A lone process: an in-memory store, so no port is opened and nothing can collide.
+            dist.init_process_group(store=dist.HashStore(), **options)
+        else:
+            if env.store is None:
+                raise ShardkitError(
+                    f"rank {env.rank} of {env.world_size} has no job store to make its process "
+                    "group with: shardkit.init() joins it (rendezvous.with_job_store) before "
+                    "calling init_process_group. HINT: call shardkit.init(), or pass "
+                    "dataclasses.replace(env, store=...) when calling a backend directly")
+            # The prefix is the one torch gives its default group's keys on the env:// path.
+            dist.init_process_group(store=dist.PrefixStore("default_pg", env.store), **options)
+        return self.world_group()
+
+    def world_group(self) -> Group:
+        """Return the group of all ranks in the job."""
+        import torch.distributed as dist
+
+        size = dist.get_world_size()
+        return Group(dist.get_rank(), size, tuple(range(size)), dist.group.WORLD)
+
+    def shutdown(self) -> None:
+        """Destroy the process group this backend created."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def spawn_ranks(self, body: Any, nprocs: int, args: tuple) -> list[Any] | None:
+        """Run ``body(rank, *args)`` on `nprocs` local ranks the backend's own way, or return None for processes."""
+        return None
+
+    def launch_command(self, nproc_per_node: str, launcher_args: Sequence[str],
+                       script_argv: Sequence[str]) -> list[str]:
+        """Return the command `shardkit launch` runs: torchrun by default; a backend with its own launcher overrides this."""
+        import sys
+
+        # torchrun's agent (torch.distributed.run, through shardkit.cli.launch_agent, which says a
+        # failure in a few lines instead of torchrun's traceback) starts the ranks and sets RANK,
+        # WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT, which shardkit.init() reads; launcher_args
+        # are torchrun options. "--" stops torchrun's parser from reading the script's own options
+        # (it rejects a script's "--nproc" as an ambiguous abbreviation of its --nproc-per-node).
+        return [sys.executable, "-m", "shardkit.cli.launch_agent", f"--nproc-per-node={nproc_per_node}",
+                *launcher_args, "--", *script_argv]
+
+    # ==== device operations: the engine, every step (sharding/step/)
+    # Left out: torch's generic stream, event and memory calls for the device type, or null
+    # streams and events where capabilities.has_streams is False; storage resized in place where
+    # capabilities.supports_storage_resize; no compiler barrier or step boundary.
+    def device_module(self) -> Any:
+        """Return the torch module for this device type (``torch.get_device_module``); the stream, memory and sync defaults call it."""
+        return torch.get_device_module(self.device_type)
+
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         """Return True when parameters and collectives of this dtype work on this backend."""
         return dtype in self.capabilities.supported_dtypes
@@ -143,7 +217,6 @@ class Backend:
         unless the backend declares another); the planner reads that without starting the backend."""
         return self.capabilities.fused_attention(call)
 
-    # ---- streams and events (null objects when the device has none) --------------------------
     def new_stream(self, device: torch.device) -> Any:
         """Return a new stream on `device`, or a NullStream."""
         if not self.capabilities.has_streams:
@@ -179,7 +252,6 @@ class Backend:
         if hasattr(module, "synchronize"):
             module.synchronize(device) if device is not None and device.index is not None else module.synchronize()
 
-    # ---- memory ------------------------------------------------------------------------------
     def free_storage(self, tensor: torch.Tensor) -> None:
         """Release a tensor's memory while keeping the tensor object (and autograd's view of it)."""
         if not self.capabilities.supports_storage_resize:
@@ -205,79 +277,10 @@ class Backend:
     def step_boundary(self) -> None:
         """Mark the end of a training step after optimizer.step() (graph cut on lazy devices)."""
 
-    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of `tensors` in host memory (lazy devices run all of them as one graph first)."""
-        return [t.detach().cpu() for t in tensors]
-
-    def snapshot_to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Host copies of `tensors` that later in-place updates on the device leave unchanged."""
-        if self.capabilities.has_streams and any(t.device.type != "cpu" for t in tensors):
-            # Pinned staging: the device-to-host copies queue together and one sync waits for all.
-            staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for dst, src in zip(staged, tensors):
-                dst.copy_(src.detach(), non_blocking=True)
-            self.synchronize(next(t.device for t in tensors if t.device.type != "cpu"))
-            return staged
-        hosted = self.to_host(tensors)
-        # On the host, to_host may hand back the tensor itself; the optimizer would then change it.
-        # (Device tensors may have no storage to ask about: XLA's; their host copy is new anyway.)
-        return [h.clone() if t.device.type == "cpu"
-                and h.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                else h for h, t in zip(hosted, tensors)]
-
-    def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
-        """Return current and peak memory in bytes: {"allocated": .., "peak": ..} (the demo's memory report)."""
-        module = self.device_module()
-        if hasattr(module, "max_memory_allocated"):
-            return {"allocated": int(module.memory_allocated(device)),
-                    "peak": int(module.max_memory_allocated(device))}
-        return process_memory()
-
-    def reset_peak_memory(self, device: torch.device | None = None) -> None:
-        """Start a new peak-memory window where the device allows it (for users timing phases; the engine never calls it)."""
-        module = self.device_module()
-        if hasattr(module, "reset_peak_memory_stats"):
-            module.reset_peak_memory_stats(device)
-
-    # ---- process groups ------------------------------------------------------------------------
-    def launch_env(self) -> LaunchEnv:
-        """Return this process's place in the job (backends whose ranks are threads override)."""
-        return detect_launch_env()
-
-    def process_group_options(self, env: LaunchEnv) -> dict[str, Any]:
-        """Extra keyword arguments for init_process_group: the one place a device_id policy lives."""
-        return {}
-
-    def init_process_group(self, env: LaunchEnv, timeout: datetime.timedelta) -> Group:
-        """Join (or create) the default process group for this job and return the world group."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            return self.world_group()
-        options = dict(backend=self.process_group_backend(), rank=env.rank,
-                       world_size=env.world_size, timeout=timeout,
-                       **self.process_group_options(env))
-        if env.master_port is None:
-            # A lone process: an in-memory store, so no port is opened and nothing can collide.
-            dist.init_process_group(store=dist.HashStore(), **options)
-        else:
-            if env.store is None:
-                raise ShardkitError(
-                    f"rank {env.rank} of {env.world_size} has no job store to make its process "
-                    "group with: shardkit.init() joins it (rendezvous.with_job_store) before "
-                    "calling init_process_group. HINT: call shardkit.init(), or pass "
-                    "dataclasses.replace(env, store=...) when calling a backend directly")
-            # The prefix is the one torch gives its default group's keys on the env:// path.
-            dist.init_process_group(store=dist.PrefixStore("default_pg", env.store), **options)
-        return self.world_group()
-
-    def world_group(self) -> Group:
-        """Return the group of all ranks in the job."""
-        import torch.distributed as dist
-
-        size = dist.get_world_size()
-        return Group(dist.get_rank(), size, tuple(range(size)), dist.group.WORLD)
-
+    # ==== collectives: the engine, checkpoints, replica checks
+    # Left out: torch.distributed's collectives on the groups this backend made (a one-rank group
+    # copies locally); averaging by sum and divide unless capabilities.exact_reduce_ops names an
+    # exact op.
     def new_group(self, ranks: Sequence[int]) -> Group:
         """Create a subgroup; every rank of the job must call this with the same ranks."""
         import torch.distributed as dist
@@ -306,14 +309,6 @@ class Backend:
         except ValueError:  # "Invalid process group specified": not (or no longer) torch's
             pass
 
-    def shutdown(self) -> None:
-        """Destroy the process group this backend created."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    # ---- collectives ---------------------------------------------------------------------------
     def exact_reduce_ops_for(self, dtype: torch.dtype) -> frozenset[str]:
         """The exact averaging ops (Capabilities.exact_reduce_ops) that hold for `dtype` here; a backend narrows them by library version or dtype."""
         return self.capabilities.exact_reduce_ops
@@ -387,28 +382,48 @@ class Backend:
         if group.size > 1:
             dist.barrier(group=group.handle)
 
-    # ---- integration with torch's own wrappers ------------------------------------------------
+    # ==== host copies and memory figures: checkpoints, the demo, users timing phases
+    # Left out: detach().cpu() copies (pinned, one sync, where the device has streams) and the
+    # device module's memory counters, else the process's resident memory.
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of `tensors` in host memory (lazy devices run all of them as one graph first)."""
+        return [t.detach().cpu() for t in tensors]
+
+    def snapshot_to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of `tensors` that later in-place updates on the device leave unchanged."""
+        if self.capabilities.has_streams and any(t.device.type != "cpu" for t in tensors):
+            # Pinned staging: the device-to-host copies queue together and one sync waits for all.
+            staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for dst, src in zip(staged, tensors):
+                dst.copy_(src.detach(), non_blocking=True)
+            self.synchronize(next(t.device for t in tensors if t.device.type != "cpu"))
+            return staged
+        hosted = self.to_host(tensors)
+        # On the host, to_host may hand back the tensor itself; the optimizer would then change it.
+        # (Device tensors may have no storage to ask about: XLA's; their host copy is new anyway.)
+        return [h.clone() if t.device.type == "cpu"
+                and h.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                else h for h, t in zip(hosted, tensors)]
+
+    def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
+        """Return current and peak memory in bytes: {"allocated": .., "peak": ..} (the demo's memory report)."""
+        module = self.device_module()
+        if hasattr(module, "max_memory_allocated"):
+            return {"allocated": int(module.memory_allocated(device)),
+                    "peak": int(module.max_memory_allocated(device))}
+        return process_memory()
+
+    def reset_peak_memory(self, device: torch.device | None = None) -> None:
+        """Start a new peak-memory window where the device allows it (for users timing phases; the engine never calls it)."""
+        module = self.device_module()
+        if hasattr(module, "reset_peak_memory_stats"):
+            module.reset_peak_memory_stats(device)
+
+    # ==== torch's own wrappers: replicate() and DDP
+    # Left out: DDP gets no extra keyword arguments.
     def ddp_kwargs(self, device: torch.device) -> dict[str, Any]:
         """Keyword arguments DistributedDataParallel needs on this backend."""
         return {}
-
-    # ---- launching ----------------------------------------------------------------------------
-    def spawn_ranks(self, body: Any, nprocs: int, args: tuple) -> list[Any] | None:
-        """Run ``body(rank, *args)`` on `nprocs` local ranks the backend's own way, or return None for processes."""
-        return None
-
-    def launch_command(self, nproc_per_node: str, launcher_args: Sequence[str],
-                       script_argv: Sequence[str]) -> list[str]:
-        """Return the command `shardkit launch` runs: torchrun by default; a backend with its own launcher overrides this."""
-        import sys
-
-        # torchrun's agent (torch.distributed.run, through shardkit.cli.launch_agent, which says a
-        # failure in a few lines instead of torchrun's traceback) starts the ranks and sets RANK,
-        # WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT, which shardkit.init() reads; launcher_args
-        # are torchrun options. "--" stops torchrun's parser from reading the script's own options
-        # (it rejects a script's "--nproc" as an ambiguous abbreviation of its --nproc-per-node).
-        return [sys.executable, "-m", "shardkit.cli.launch_agent", f"--nproc-per-node={nproc_per_node}",
-                *launcher_args, "--", *script_argv]
 
 
 def process_memory() -> dict[str, int]:

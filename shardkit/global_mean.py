@@ -13,7 +13,7 @@ import numbers
 import torch
 
 from .errors import ShardkitError
-from .runtime import require_context
+from .job.runtime import require_context
 
 
 def global_mean(value: torch.Tensor | float) -> float:

@@ -20,7 +20,7 @@ def replicate(model: torch.nn.Module, backend: str | Backend | None = None,
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    from .runtime import require_context
+    from .job.runtime import require_context
 
     ctx = require_context(backend)
     model = model.to(ctx.device)

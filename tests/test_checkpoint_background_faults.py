@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import shardkit.checkpoint as ck
-from shardkit.spawn import free_port
+from shardkit.job.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "_bg_fault_script.py")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.spawn import free_port
+from shardkit.job.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = 5

@@ -44,7 +44,7 @@ def test_help_of_every_command_needs_no_torch(command):
 def test_import_shardkit_is_lazy_and_the_names_resolve_to_what_the_type_checkers_see():
     out = _python("import sys, shardkit\n"
                   "print('torch' in sys.modules)\n"
-                  "import shardkit.spawn, shardkit.replicate\n"
+                  "import shardkit.job.spawn, shardkit.replicate\n"
                   "print(callable(shardkit.spawn), callable(shardkit.replicate))")
     assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
     tree = ast.parse(Path(shardkit.__file__).read_text())
@@ -150,7 +150,7 @@ def _sigint_state(rank: int) -> tuple[bool, bool]:
 
 CTRL_C_WHILE_STARTING = """
 import os, signal, subprocess, sys, time
-from shardkit.spawn import _ctrl_c_left_to_caller
+from shardkit.job.spawn import _ctrl_c_left_to_caller
 try:
     with _ctrl_c_left_to_caller():
         os.kill(os.getpid(), signal.SIGINT)

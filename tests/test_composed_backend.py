@@ -16,7 +16,7 @@ from shardkit import Backend, Capabilities
 from shardkit.composed import (COLLECTIVE_FIELDS, COLLECTIVE_SIDE, DEVICE_SIDE, PAIR_OWN,
                                ComposedBackend, composed_capabilities, composed_class)
 from shardkit.errors import BackendNotFoundError, ShardkitError, UnsupportedOperationError
-from shardkit.selection import get_backend
+from shardkit.job.selection import get_backend
 from shardkit.testing import run_world
 from shardkit_backends.cpu import CPUBackend
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import shardkit
 from shardkit import checkpoint as ck
-from shardkit.spawn import SpawnError
+from shardkit.job.spawn import SpawnError
 
 from _save_kill_workers import kill_points, save_then_die
 

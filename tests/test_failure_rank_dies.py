@@ -21,7 +21,7 @@ import pytest
 
 import shardkit
 from shardkit.failure import PEER_FAILED_EXIT, resolve_timeout
-from shardkit.spawn import SpawnError, free_port
+from shardkit.job.spawn import SpawnError, free_port
 
 from _failure_workers import train_until_failure
 

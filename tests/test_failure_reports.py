@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from shardkit.failure import PEER_FAILED_EXIT
-from shardkit.spawn import free_port
+from shardkit.job.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "_report_script.py"

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import shardkit
 from shardkit.failure import node, watchdog_requested
 from shardkit.failure.watchdog import Watchdog
-from shardkit.spawn import free_port
+from shardkit.job.spawn import free_port
 
 from _failure_workers import watchdog_state
 

@@ -8,7 +8,7 @@ import pytest
 
 import shardkit
 from shardkit.sharding.step.verify import requested
-from shardkit.spawn import SpawnError
+from shardkit.job.spawn import SpawnError
 
 from _verify_workers import diverge, two_verified_models
 

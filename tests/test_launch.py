@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shardkit.cli import launch
-from shardkit.spawn import free_port
+from shardkit.job.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ddp_replicate.py"

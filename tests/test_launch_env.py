@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardkit import LaunchEnv, ShardkitError, detect_launch_env
-from shardkit.spawn import free_port
+from shardkit.job.spawn import free_port
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")

@@ -130,7 +130,7 @@ def test_reset_state_puts_back_everything_init_and_shard_installed(monkeypatch):
     from shardkit.sharding.setup import fingerprint, stale_optimizer
     from shardkit.sharding.step import hooks, traced
     from shardkit.sharding.surface import module_api, param_access
-    from shardkit import selection, step_boundary
+    from shardkit.job import selection, step_boundary
     from shardkit.plugin import manager
 
     monkeypatch.setenv("MASTER_PORT", "29791")

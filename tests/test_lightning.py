@@ -59,9 +59,13 @@ def test_importing_shardkit_registers_the_strategy_name_whichever_is_imported_fi
              "print(f['shardkit']['strategy'].__name__, r['shardkit']['strategy'].__name__)")
     # shardkit first: it must not import Lightning itself (seconds, for nothing), and registers
     # once Lightning is imported; Lightning first: registered at `import shardkit`.
+    # The strategy classes imported first (Lightning imported from inside them) failed with a
+    # circular ImportError: the registration hook fired before their classes existed.
     for code in ("import sys, shardkit\nprint(any(m.startswith('lightning') for m in sys.modules))\n"
                  "import lightning.pytorch\n" + check,
-                 "import lightning.pytorch, shardkit\n" + check):
+                 "import lightning.pytorch, shardkit\n" + check,
+                 "from shardkit.lightning import ShardkitStrategy\n" + check,
+                 "from shardkit.lightning.fabric import ShardkitFabricStrategy\n" + check):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=120)
         lines = out.stdout.split()

@@ -158,7 +158,7 @@ def test_docs_install_lines_name_the_clone_not_an_index_that_lacks_shardkit():
 def test_an_interrupted_spawn_kills_every_rank_before_reaping_any():
     # Killed and reaped one by one, a rank still running saw its peer vanish and printed
     # "rank 0 died ..." after the user's Ctrl-C (1 in 18 Ctrl-Cs during the demo's training).
-    from shardkit.spawn import _kill_all
+    from shardkit.job.spawn import _kill_all
 
     calls: list[str] = []
 

@@ -62,7 +62,7 @@ def test_a_cuda_job_plans_on_a_machine_without_cuda():
 
 
 def test_declared_facts_are_what_the_planner_reads():
-    from shardkit.selection import backend_class
+    from shardkit.job.selection import backend_class
 
     assert backend_class("cuda").capabilities.fused_attention is sdpa_runs_fused
     assert backend_class("cpu").capabilities.fused_attention is fused_attention_on_cpu
@@ -167,7 +167,7 @@ def test_what_fits_keeps_the_allocators_headroom_free():
 
 def test_the_default_headroom_is_the_targets_declared_one():
     from shardkit.planner import largest_batch
-    from shardkit.selection import backend_class
+    from shardkit.job.selection import backend_class
 
     assert backend_class("cuda").capabilities.allocator_headroom == 0.45
     assert backend_class("cpu").capabilities.allocator_headroom == 0.0

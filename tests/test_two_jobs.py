@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from shardkit.launch_env import LaunchEnv, job_identity
-from shardkit.rendezvous import JobRecord, conflict
-from shardkit.spawn import free_port
+from shardkit.job.rendezvous import JobRecord, conflict
+from shardkit.job.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "_two_jobs_script.py"

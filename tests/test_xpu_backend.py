@@ -202,7 +202,7 @@ def test_init_sets_the_normalised_device_and_binds_xccl_to_it_under_mpirun(clean
     # The job's store is checked by shardkit.rendezvous (tested in test_two_jobs.py); here no
     # connection to the launcher's address may be made.
     joined = []
-    monkeypatch.setattr("shardkit.rendezvous.join_job_store",
+    monkeypatch.setattr("shardkit.job.rendezvous.join_job_store",
                         lambda env, timeout: joined.append((env.rank, env.master_addr,
                                                             env.master_port)) or dist.HashStore())
     monkeypatch.setattr(dist, "get_rank", lambda: 5)
@@ -212,7 +212,7 @@ def test_init_sets_the_normalised_device_and_binds_xccl_to_it_under_mpirun(clean
     assert (env.rank, env.world_size, env.local_rank, env.launcher) == (5, 8, 1, "mpich/intel-mpi")
     device = be.normalize_device("xpu", env.local_rank)
     be.set_device(device)
-    from shardkit.rendezvous import with_job_store
+    from shardkit.job.rendezvous import with_job_store
 
     timeout = datetime.timedelta(seconds=5)
     world = be.init_process_group(with_job_store(env, timeout), timeout)  # as shardkit.init() does

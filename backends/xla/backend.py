@@ -9,7 +9,7 @@ Why never `xm.optimizer_step`: it all-reduces (averages) every gradient before `
 sharding the engine has already reduce-scattered and averaged them, so that would reduce a second
 time (and across ranks whose shards differ). shardkit cuts the graph after `opt.step()` instead,
 through the optimizer step post-hook that `shardkit.init()` installs for backends whose
-capabilities set `needs_step_boundary` (see `shardkit/step_boundary.py`).
+capabilities set `needs_step_boundary` (see `shardkit/job/step_boundary.py`).
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class XLABackend(Backend):
     @override
     def world_group(self) -> Group:
         """The group of all ranks, for this thread."""
-        from shardkit.runtime import current_context
+        from shardkit.job.runtime import current_context
 
         ctx = current_context()
         if ctx is None or ctx.backend is not self:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..runtime import DistContext, require_context
+from ..job.runtime import DistContext, require_context
 from .errors import CheckpointError
 
 

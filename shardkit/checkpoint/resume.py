@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from ..logs import logger
-from ..runtime import current_context
+from ..job.runtime import current_context
 from . import manifest as mf
 from .errors import CheckpointError
 

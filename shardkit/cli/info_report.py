@@ -14,7 +14,7 @@ import torch
 from .._version import __version__
 from ..errors import ShardkitError
 from ..plugin.manager import ENTRY_POINT_GROUP, plugin_state
-from ..selection import BackendStatus, backend_statuses, get_backend
+from ..job.selection import BackendStatus, backend_statuses, get_backend
 
 WIDTH = 100
 

@@ -122,7 +122,7 @@ def split_argv(argv: Sequence[str]) -> LaunchRequest:
 def build_command(req: LaunchRequest) -> tuple[list[str], dict[str, str]]:
     """Resolve the backend and return (command, environment additions) for the request."""
     from ..backend import check_local_ranks
-    from ..selection import get_backend
+    from ..job.selection import get_backend
 
     if not req.script_argv:
         raise ShardkitError(f"no training script given.\n{USAGE}")
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "OMP_NUM_THREADS" in extra_env:
         print(f"shardkit launch: OMP_NUM_THREADS={extra_env['OMP_NUM_THREADS']} per rank "
               f"({usable_cores()} usable cores; set OMP_NUM_THREADS to choose)", file=sys.stderr)
-    from ..parent_death import PARENT_PID_ENV
+    from ..job.parent_death import PARENT_PID_ENV
 
     # exec keeps this pid: the launcher's ranks see it as their parent and end with it.
     env = {**os.environ, **extra_env, PARENT_PID_ENV: str(os.getpid())}

@@ -98,7 +98,7 @@ def traffic_report(result: dict) -> str:
 
 def _runs_on_host(backend: str | None) -> bool:
     """True when the demo's ranks would compute on the CPU (the named or the auto-chosen backend)."""
-    from ..selection import get_backend
+    from ..job.selection import get_backend
 
     try:
         return get_backend(backend).device_type == "cpu"

@@ -101,7 +101,7 @@ def _train_epoch(model, opt, train, cfg: DemoConfig, ctx, epoch: int) -> tuple[f
 def train_rank(rank: int, cfg: DemoConfig) -> dict:
     """Train and evaluate on this rank (run under shardkit.spawn); return its figures."""
     import shardkit
-    from shardkit.runtime import require_context
+    from shardkit.job.runtime import require_context
 
     ctx = require_context()  # made by shardkit.spawn
     train, test = load_digits_28(cfg.limit_train)

@@ -54,7 +54,7 @@ def join_job(strategy: Any, backend: str | None, timeout: float | timedelta | No
                       LOCAL_RANK=str(strategy.local_rank),
                       LOCAL_WORLD_SIZE=str(strategy.num_processes),
                       MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port))
-    from ..runtime import init
+    from ..job.runtime import init
 
     init(backend or strategy.root_device.type, timeout=timeout)
 

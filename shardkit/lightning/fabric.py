@@ -9,6 +9,8 @@ other entries of Fabric's `state` dict as their `extra`.
 
 from __future__ import annotations
 
+import sys
+
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Generator
@@ -22,6 +24,7 @@ from typing_extensions import override
 
 from ..errors import ShardkitError
 from .common import RankPlace, join_job, shard_module
+from .registration import FABRIC_STRATEGIES
 
 
 class _NoSync(_BackwardSyncControl):
@@ -171,3 +174,8 @@ def _split_state(state: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Op
             f"has models {sorted(modules)} and optimizers {sorted(optimizers)}")
     rest = {k: v for k, v in state.items() if k not in modules and k not in optimizers}
     return next(iter(modules.values())), next(iter(optimizers.values()), None), rest
+
+
+# Imported before Lightning's strategies module had run, the registration hook left this to us.
+if FABRIC_STRATEGIES in sys.modules:
+    ShardkitFabricStrategy.register_strategies(sys.modules[FABRIC_STRATEGIES].STRATEGY_REGISTRY)

@@ -25,6 +25,8 @@ FABRIC_STRATEGIES = "lightning.fabric.strategies"
 
 def register_trainer_strategy(strategies: ModuleType) -> None:
     """Register ShardkitStrategy in the Trainer's strategy registry (in `strategies`)."""
+    if _still_importing(__package__ + ".strategy"):
+        return  # strategy.py is what imported Lightning: it registers itself once it has run
     from .strategy import ShardkitStrategy
 
     ShardkitStrategy.register_strategies(strategies.StrategyRegistry)
@@ -32,9 +34,20 @@ def register_trainer_strategy(strategies: ModuleType) -> None:
 
 def register_fabric_strategy(strategies: ModuleType) -> None:
     """Register ShardkitFabricStrategy in Fabric's strategy registry (in `strategies`)."""
+    if _still_importing(__package__ + ".fabric"):
+        return  # fabric.py is what imported Lightning: it registers itself once it has run
     from .fabric import ShardkitFabricStrategy
 
     ShardkitFabricStrategy.register_strategies(strategies.STRATEGY_REGISTRY)
+
+
+def _still_importing(name: str) -> bool:
+    """True while module `name` runs its own imports: `from shardkit.lightning import
+    ShardkitStrategy` in a fresh process imports Lightning from inside strategy.py, whose class
+    does not exist yet when Lightning's strategies module finishes and the hook fires."""
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    return module is not None and bool(getattr(spec, "_initializing", False))
 
 
 # module Lightning registers its strategies in -> (the registry's name there, how to register)

@@ -10,6 +10,8 @@ callbacks, schedulers) as the checkpoint's `extra`.
 
 from __future__ import annotations
 
+import sys
+
 import os
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -25,6 +27,7 @@ from typing_extensions import override
 
 from ..errors import ShardkitError
 from .common import RankPlace, join_job, shard_module
+from .registration import TRAINER_STRATEGIES
 from .precision import clip_over_shards
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -187,3 +190,8 @@ class ShardkitStrategy(RankPlace, ParallelStrategy):
         strategy_registry.register(
             "shardkit", cls, description="shardkit: sharded data parallel on any shardkit backend",
             override=True)
+
+
+# Imported before Lightning's strategies module had run, the registration hook left this to us.
+if TRAINER_STRATEGIES in sys.modules:
+    ShardkitStrategy.register_strategies(sys.modules[TRAINER_STRATEGIES].StrategyRegistry)

@@ -48,7 +48,7 @@ def target_capabilities(backend: object) -> Capabilities | None:
     if backend is None:
         return None
     from ..backend import Backend
-    from ..selection import backend_class
+    from ..job.selection import backend_class
 
     if isinstance(backend, Backend):
         return backend.capabilities

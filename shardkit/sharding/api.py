@@ -19,7 +19,7 @@ from ..backend import Backend
 from ..errors import ShardkitError
 from ..handles import Group
 from ..logs import logger
-from ..runtime import DistContext, require_context
+from ..job.runtime import DistContext, require_context
 from .wrap_policies import WrapPolicy, as_policy
 from .step import hooks
 from .setup.fingerprint import check_same_model, describe

@@ -40,9 +40,9 @@ from ..backend import Backend
 from ..capabilities import AttentionCall, Capabilities
 from ..errors import ShardkitError, UnsupportedOperationError
 from ..handles import Group
-from ..runtime import DistContext, current_context
-from ..selection import get_backend
-from ..spawn import spawn
+from ..job.runtime import DistContext, current_context
+from ..job.selection import get_backend
+from ..job.spawn import spawn
 
 WORLD_SIZES = (1, 2, 3, 4)
 LENGTHS = (1, 7, 13)  # per-rank element counts: odd, not powers of two

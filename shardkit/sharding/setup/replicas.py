@@ -33,6 +33,7 @@ import torch
 from ...backend import Backend
 from ...errors import ShardkitError
 from ...handles import Group, ReduceOp
+from ..surface.module_api import get_state
 
 CHUNK_ELEMENTS = 1 << 24  # small tensors packed into one compare broadcast (64 MiB of fp32)
 ALONE_ELEMENTS = 1 << 20  # tensors at least this large are broadcast alone, not copied
@@ -162,8 +163,6 @@ def check_model_replicas(model: torch.nn.Module) -> None:
     copy (a buffer updated on one rank only, a parameter edited outside the optimizer, a
     partial load). Costs one broadcast of the replicated bytes.
     """
-    from ..surface.module_api import get_state
-
     state = get_state(model)
     check_replicas([(sp.fqn, sp.local) for sp in state.iter_params()], state.replica_group,
                    list(model.named_buffers()), state.world, state.backend, state.device)

@@ -20,9 +20,9 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import ShardkitError
-from .failure.node import node_identity
-from .launch_env import DEFAULT_MASTER_PORT, JOB_ID_ENV, LaunchEnv
+from ..errors import ShardkitError
+from ..failure.node import node_identity
+from ..launch_env import DEFAULT_MASTER_PORT, JOB_ID_ENV, LaunchEnv
 
 _PREFIX = "shardkit/rendezvous/"
 # How long rank 0, refused its port, waits for the port's owner to say which job it is.

@@ -9,11 +9,11 @@ import os
 import threading
 from dataclasses import dataclass
 
-from .backend import Backend
-from .errors import BackendNotFoundError, BackendUnavailableError, ShardkitError
-from .suggest import did_you_mean
-from .logs import logger
-from .plugin.manager import plugin_state
+from ..backend import Backend
+from ..errors import BackendNotFoundError, BackendUnavailableError, ShardkitError
+from ..suggest import did_you_mean
+from ..logs import logger
+from ..plugin.manager import plugin_state
 
 _instances: dict[str, Backend] = {}
 _lock = threading.Lock()
@@ -102,7 +102,7 @@ def collective_side_class(name: str) -> type[Backend]:
 
 
 def _composed_instance(spec: str) -> Backend:
-    from .composed import ComposedBackend, compose
+    from ..composed import ComposedBackend, compose
 
     device_name, _, collectives_name = (part.strip() for part in spec.partition("+"))
     if not device_name or not collectives_name or "+" in collectives_name:

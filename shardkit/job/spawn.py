@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from typing_extensions import override
 
-from .errors import PeerFailedError, ShardkitError
-from .launch_env import SPAWN_JOB_PREFIX
+from ..errors import PeerFailedError, ShardkitError
+from ..launch_env import SPAWN_JOB_PREFIX
 
 if TYPE_CHECKING:
-    from .backend import Backend
+    from ..backend import Backend
 
 
 class SpawnError(ShardkitError):
@@ -42,7 +42,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _rank_body(local_rank: int, fn: Callable, backend: Any, args: tuple,
                timeout: datetime.timedelta | float | None = None) -> Any:
-    from . import failure, runtime
+    from .. import failure
+    from . import runtime
 
     runtime.init(backend, timeout=timeout)
     try:
@@ -88,7 +89,7 @@ def _rank_main(local_rank: int, fn: Callable, nprocs: int, port: int, backend: A
     try:
         value = _rank_body(local_rank, fn, backend, args, timeout)
     except PeerFailedError:
-        from .failure import PEER_FAILED_EXIT
+        from ..failure import PEER_FAILED_EXIT
 
         # Its report is written already; the status tells the parent it is not the culprit.
         raise SystemExit(PEER_FAILED_EXIT) from None
@@ -123,7 +124,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | Backen
             f"spawn needs a function and arguments that pickle (ranks run in other processes): "
             f"{exc}. Define the function at module level, not as a lambda or nested function, "
             "and guard the call with `if __name__ == '__main__':`") from exc
-    from .backend import check_local_ranks
+    from ..backend import check_local_ranks
     from .selection import get_backend
 
     # Refused here, before any rank starts: past it, the device library fails inside the ranks.
@@ -133,7 +134,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | Backen
         results = get_backend(backend).spawn_ranks(_rank_body, nprocs, (fn, backend, args))
         if results is not None:
             return results
-    from .failure import DEFAULT_ACCELERATOR_TIMEOUT, resolve_timeout
+    from ..failure import DEFAULT_ACCELERATOR_TIMEOUT, resolve_timeout
 
     grace = resolve_timeout(timeout, DEFAULT_ACCELERATOR_TIMEOUT).total_seconds() + 15.0
     with tempfile.TemporaryDirectory(prefix="shardkit-spawn-") as result_dir:
@@ -316,7 +317,7 @@ def _wait_all(pending: dict, exit_times: dict[int, float], grace: float) -> None
 
 
 def _spawn_error(codes: dict[int, int], exit_times: dict[int, float], result_dir: str) -> SpawnError:
-    from .failure import PEER_FAILED_EXIT
+    from ..failure import PEER_FAILED_EXIT
 
     reports = {}
     for rank in codes:

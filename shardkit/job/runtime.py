@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import failure
-from .backend import Backend, DeviceLike
-from .errors import ShardkitError
-from .handles import Group
-from .launch_env import LaunchEnv, restore_environ
-from .logs import logger
+from .. import failure
+from ..backend import Backend, DeviceLike
+from ..errors import ShardkitError
+from ..handles import Group
+from ..launch_env import LaunchEnv, restore_environ
+from ..logs import logger
 from .parent_death import arm_if_launched
 from .rendezvous import with_job_store
 from .selection import get_backend

@@ -57,7 +57,7 @@ def arm_if_launched() -> None:
     if launcher == str(os.getppid()):
         die_with_parent()
         return
-    from .failure.node import pid_alive
+    from ..failure.node import pid_alive
 
     if not pid_alive(int(launcher)):
         sys.stderr.write(f"shardkit: the `shardkit launch` process (pid {launcher}) that started "
@@ -68,7 +68,7 @@ def arm_if_launched() -> None:
 
 def end_with_process(pid: int) -> None:
     """End this process (SIGTERM to itself, so it reports where it was) once process `pid` is gone."""
-    from .failure.node import pid_alive
+    from ..failure.node import pid_alive
 
     def watch() -> None:
         while pid_alive(pid):
