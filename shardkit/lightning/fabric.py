@@ -9,8 +9,6 @@ other entries of Fabric's `state` dict as their `extra`.
 
 from __future__ import annotations
 
-import sys
-
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Generator
@@ -24,7 +22,6 @@ from typing_extensions import override
 
 from ..errors import ShardkitError
 from .common import RankPlace, join_job, shard_module
-from .registration import FABRIC_STRATEGIES
 
 
 class _NoSync(_BackwardSyncControl):
@@ -176,6 +173,8 @@ def _split_state(state: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Op
     return next(iter(modules.values())), next(iter(optimizers.values()), None), rest
 
 
-# Imported before Lightning's strategies module had run, the registration hook left this to us.
-if FABRIC_STRATEGIES in sys.modules:
-    ShardkitFabricStrategy.register_strategies(sys.modules[FABRIC_STRATEGIES].STRATEGY_REGISTRY)
+# Registered here as well: imported before Lightning, this module is what loads Lightning's
+# strategies, and the registration hook (registration.py) then finds the class not yet defined.
+from lightning.fabric.strategies import STRATEGY_REGISTRY  # noqa: E402 - complete by now: this module's imports loaded it
+
+ShardkitFabricStrategy.register_strategies(STRATEGY_REGISTRY)

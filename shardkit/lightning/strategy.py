@@ -10,8 +10,6 @@ callbacks, schedulers) as the checkpoint's `extra`.
 
 from __future__ import annotations
 
-import sys
-
 import os
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -27,7 +25,6 @@ from typing_extensions import override
 
 from ..errors import ShardkitError
 from .common import RankPlace, join_job, shard_module
-from .registration import TRAINER_STRATEGIES
 from .precision import clip_over_shards
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -192,6 +189,8 @@ class ShardkitStrategy(RankPlace, ParallelStrategy):
             override=True)
 
 
-# Imported before Lightning's strategies module had run, the registration hook left this to us.
-if TRAINER_STRATEGIES in sys.modules:
-    ShardkitStrategy.register_strategies(sys.modules[TRAINER_STRATEGIES].StrategyRegistry)
+# Registered here as well: imported before Lightning, this module is what loads Lightning's
+# strategies, and the registration hook (registration.py) then finds the class not yet defined.
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402 - complete by now: this module's imports loaded it
+
+ShardkitStrategy.register_strategies(StrategyRegistry)
