@@ -192,3 +192,18 @@ def test_bare_init_is_world_size_one() -> None:
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"rank": 0, "size": 1, "launcher": "none", "port": None, "pg_matches": True,
                       "initialized": True, "sum": [2.0, -3.0], "same": True}
+
+
+def test_a_backend_asked_for_a_networked_group_without_the_jobs_store_says_who_joins_it(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from shardkit.errors import ShardkitError
+    from shardkit_backends.cpu import CPUBackend
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: pytest.fail("no group without a store"))
+    env = LaunchEnv(1, 2, 1, 2, "127.0.0.1", 29555, "torchrun")
+    with pytest.raises(ShardkitError, match=r"rank 1 of 2 has no job store.*shardkit\.init\(\)"):
+        CPUBackend().init_process_group(env, datetime.timedelta(seconds=1))

@@ -1,4 +1,4 @@
-"""Pure helpers for one unit's flat collectives: copy-in, collective, copy-out, and divide factors.
+"""Pure helpers for one unit's flat collectives: copy-in, collective, copy-out (divide factors: reduce_ops).
 
 Every flat buffer is laid out (group_size, unit_shard_numel): row r holds, param after param,
 the r-th shard of each parameter. All-gather fills all rows from each rank's own row;
