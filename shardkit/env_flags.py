@@ -17,10 +17,6 @@ DEBUG = "SHARDKIT_DEBUG"  # verify collective order, full tracebacks of failed c
 WATCHDOG = "SHARDKIT_WATCHDOG"  # the per-rank failure watchdog (on by default)
 STRICT_PLUGINS = "SHARDKIT_STRICT_PLUGINS"  # a plugin's import error raises at discovery
 PLUGIN_AUTOLOAD = "SHARDKIT_PLUGIN_AUTOLOAD"  # load third-party plugins' entry points (on by default)
-# Test only: the reduce stream stops waiting for the compute stream before its collective reads
-# the packed gradients, a real race on a device with streams, so a test can show that the CUDA
-# sanitizer catches one.
-UNORDERED_REDUCE = "SHARDKIT_TESTONLY_UNORDERED_REDUCE"
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")

@@ -74,21 +74,34 @@ UNSYNCED_CONFIGS = {
 }
 
 
-def unsynced_steps(rank: int, world: int, names: list[str], steps: int = 3) -> dict:
+def unsynced_steps(rank: int, world: int, names: list[str], steps: int = 3,
+                   unordered_reduce: bool = False) -> dict:
     """Per config of UNSYNCED_CONFIGS: steps with no host synchronisation between them (losses
     stay on the device), so that a missing stream wait is not hidden by a sync; under
     TORCH_CUDA_SANITIZER=1 a race raises. The weight difference from the unsharded reference
-    (fp32 configs), or the error that stopped the run."""
-    return {name: _unsynced(rank, world, UNSYNCED_CONFIGS[name], steps) for name in names}
+    (fp32 configs), or the error that stopped the run. unordered_reduce: the deliberate break —
+    the reduce stream stops waiting for the compute stream before its collective reads the
+    packed gradients (a real race), so a test can show the sanitizer catches one."""
+    return {name: _unsynced(rank, world, UNSYNCED_CONFIGS[name], steps, unordered_reduce)
+            for name in names}
 
 
-def _unsynced(rank: int, world: int, options: dict, steps: int) -> dict:
+def _skip_reduce_stream_waits(model) -> None:
+    """Make this model's reduce stream ignore wait_stream (test only: a missing ordering)."""
+    from shardkit.sharding import get_state
+
+    get_state(model).reduce_stream.wait_stream = lambda other: None
+
+
+def _unsynced(rank: int, world: int, options: dict, steps: int, unordered_reduce: bool) -> dict:
     ctx = shardkit.current_context()
     dev = ctx.device
     torch.manual_seed(0)
     ref = TinyNet().to(dev)
     model = shardkit.shard(copy.deepcopy(ref), auto_wrap_policy=shardkit.wrap.transformer_layers({Block}),
                            **options)
+    if unordered_reduce:
+        _skip_reduce_stream_waits(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     try:

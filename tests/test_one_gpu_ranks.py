@@ -87,8 +87,7 @@ def test_sanitized_strategies_and_features_find_no_race(monkeypatch):
 @needs_sanitizer
 def test_the_cuda_sanitizer_catches_a_missing_wait(monkeypatch):
     monkeypatch.setenv("TORCH_CUDA_SANITIZER", "1")
-    monkeypatch.setenv("SHARDKIT_TESTONLY_UNORDERED_REDUCE", "1")
-    results = _sanitized(unsynced_steps, 2, 2, ["FULL_SHARD"])
+    results = _sanitized(unsynced_steps, 2, 2, ["FULL_SHARD"], 3, True)
     errors = [r["FULL_SHARD"]["error"] for r in results]
     print(f"\nsanitized run with the reduce stream's wait skipped: {errors}")
     assert all(e and "CUDASanitizerErrors" in e and "data race" in e for e in errors), errors

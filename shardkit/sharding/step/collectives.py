@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from ...backend import Backend
-from ...env_flags import UNORDERED_REDUCE, env_flag
 from ...handles import Group, Work
 from .buffers import BufferPool
 from .traffic import CommStats
@@ -200,8 +199,7 @@ def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, devi
     # Packing ran on the compute stream (where the grads were made); the collective runs on the
     # reduce stream so the next unit's backward can proceed.
     stream = stream if stream is not None else backend.current_stream(device)
-    if not env_flag(UNORDERED_REDUCE):
-        stream.wait_stream(backend.current_stream(device))
+    stream.wait_stream(backend.current_stream(device))
     backend.record_stream(inp, stream)
     with backend.use_stream(stream):
         out = torch.empty(inp.shape[1], dtype=inp.dtype, device=device)
