@@ -217,6 +217,10 @@ class Backend:
         unless the backend declares another); the planner reads that without starting the backend."""
         return self.capabilities.fused_attention(call)
 
+    def host_device(self) -> torch.device:
+        """Where cpu_offload keeps shards, gradients and optimizer state: the host's memory."""
+        return torch.device("cpu")
+
     def new_stream(self, device: torch.device) -> Any:
         """Return a new stream on `device`, or a NullStream."""
         if not self.capabilities.has_streams:

@@ -84,6 +84,10 @@ class Capabilities:
     # them (a caching allocator reserves blocks it does not hand back): "what fits" plans a
     # budget of device_memory / (1 + allocator_headroom). 0 where memory is what tensors hold.
     allocator_headroom: float = 0.0
+    # Tensors hold values. False only for the planner's rehearsal (planner/rehearsal.py: the real
+    # engine on the meta device, collectives that move nothing), where shard() skips what reads
+    # values or asks the peers: initialising, copying rank 0's values, comparing replicas.
+    holds_values: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.allocator_headroom < 10.0:
@@ -115,5 +119,6 @@ class Capabilities:
             "supported_dtypes": sorted(str(d).replace("torch.", "") for d in self.supported_dtypes),
             "compile_refusal": self.compile_refusal,
             "allocator_headroom": self.allocator_headroom,
+            "holds_values": self.holds_values,
             "fused_attention": getattr(self.fused_attention, "__qualname__", repr(self.fused_attention)),
         }

@@ -31,7 +31,7 @@ from .errors import ShardkitError, UnsupportedOperationError
 # Members answered by the device side's backend object.
 DEVICE_SIDE = (
     "device_module", "normalize_device", "indexed_device", "local_device", "device_count",
-    "set_device", "supports_dtype", "runs_fused_attention", "new_stream", "current_stream",
+    "set_device", "supports_dtype", "runs_fused_attention", "host_device", "new_stream", "current_stream",
     "use_stream", "new_event", "record_stream", "synchronize", "free_storage", "alloc_storage",
     "compiler_barrier", "step_boundary", "to_host", "snapshot_to_host", "memory_stats",
     "reset_peak_memory", "launch_env", "ddp_kwargs", "spawn_ranks", "launch_command",

@@ -8,8 +8,8 @@ import torch
 import shardkit
 from shardkit.cli.main import main
 from shardkit.capabilities import AttentionCall
-from shardkit.planner.activations import (FusedAttention, LiveBytes, attention_call, token_inputs,
-                                         unpacked_sequences)
+from shardkit.planner.activations import (FusedAttention, LiveBytes, attention_call,
+                                         token_inputs, traceable_on_meta)
 from shardkit.wrap import transformer_layers
 
 transformers = pytest.importorskip("transformers")
@@ -38,7 +38,7 @@ def test_meta_simulation_equals_the_allocators_peak_for_an_unsharded_step(config
         meta = make(config)
     tracker = LiveBytes({p.untyped_storage()._cdata for p in meta.parameters()})
     args, kwargs = token_inputs(meta)(4, 64)
-    with tracker, FusedAttention(), unpacked_sequences():
+    with tracker, FusedAttention(), traceable_on_meta():
         meta(*args, **kwargs).loss.backward()
     torch.manual_seed(0)
     real = make(config)

@@ -10,9 +10,9 @@ from shardkit.cli.main import main
 from shardkit.planner.cli import memory_size
 from shardkit.planner.fit import fit_table, largest_batch, smallest_world_size
 from shardkit.planner.replay import ALLOC, FREE, StepRecord, Timeline
-from shardkit.planner.workload import Workload, unit_sizes
-from shardkit.sharding.setup.plan import plan_units
-from shardkit.wrap import as_policy, transformer_layers
+from shardkit.planner.build import plan_target
+from shardkit.planner.workload import Workload
+from shardkit.wrap import transformer_layers
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
@@ -29,19 +29,16 @@ def _llama():
 
 
 @pytest.mark.parametrize("ac", [False, True])
-def test_two_recordings_give_every_batch_exactly(ac):
-    # The replayed timeline through batches 1 and 2 against a recording made at each batch.
+def test_two_rehearsals_give_every_batch_exactly(ac):
+    # A configuration's timeline through two batch sizes against a rehearsal at each batch.
     model = _llama()
-    units = plan_units(model, as_policy(WRAP))
-    workload = Workload(model, [u.module for u in units], 64, None, None, None)
-    record = lambda b: workload.record(b, ac)  # noqa: E731
-    through = workload.timeline(ac)  # llama runs other ops at batch 1: through 2 and 3
-    assert through.batches == (2, 3) and not through.valid_at(1)
+    workload = Workload(model, 64, None, {"auto_wrap_policy": WRAP}, "adamw",
+                        plan_target("cpu", None))
     for strategy, offload in [("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", False)]:
-        static = shardkit.plan(model, 2, strategy=strategy, auto_wrap_policy=WRAP, cpu_offload=offload)
-        sizes = unit_sizes(static.units, offload)
+        through = workload.timeline(2, strategy, offload, ac)
+        assert through.batches == (2, 3) and not through.valid_at(1)  # llama: other ops at 1
         for batch in (3, 5):
-            assert through.peak(sizes, 1, batch) == Timeline.at(record(batch)).peak(sizes, 1, batch)
+            assert through.peak(batch) == workload.timeline(2, strategy, offload, ac, batch).peak(batch)
 
 
 def test_recordings_that_run_different_ops_are_not_extrapolated():
@@ -52,7 +49,7 @@ def test_recordings_that_run_different_ops_are_not_extrapolated():
     with pytest.raises(shardkit.ShardkitError, match="not proportional"):
         Timeline.between(StepRecord(1, ((ALLOC, 8),)), StepRecord(3, ((ALLOC, 11),)))
     with pytest.raises(shardkit.ShardkitError, match="batch 1 only, not 2"):
-        Timeline.at(one).peak([], 1, 2)
+        Timeline.at(one).peak(2)
 
 
 def _direct_peak(model, world, batch, **options):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -128,6 +130,23 @@ def _shutdown_at_exit() -> None:
         shutdown()
     except Exception as exc:  # noqa: BLE001 - the process is ending; say why, once
         logger.warning("shutdown at exit failed: %s: %s", type(exc).__name__, exc)
+
+
+@contextlib.contextmanager
+def acting_context(ctx: DistContext) -> Iterator[DistContext]:
+    """Make `ctx` this thread's context for the block, then put back what was there.
+
+    For the planner's rehearsal (planner/rehearsal.py): shard() then runs against a context
+    init() never made, which joins no job and counts as no live context; the process-wide hooks
+    shard() installs go with it unless a real job is still live."""
+    previous = getattr(_thread_local, "ctx", None)
+    _thread_local.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _thread_local.ctx = previous
+        if _count_contexts(0) == 0:
+            _remove_job_hooks()
 
 
 def require_context(backend: str | Backend | None = None) -> DistContext:

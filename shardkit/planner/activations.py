@@ -1,32 +1,23 @@
-"""A training step's memory high-water mark, found by running the step on the meta device.
+"""Tracking a step's memory on the meta device: the tracker, attention as the device runs it.
 
 Activations are the largest term of a transformer's peak and depend on everything the step does
 (attention layout, the loss, which ops save what), so they are not estimated from a formula: the
-model's forward and backward run on the meta device, where ops compute shapes and nothing is
-allocated, and every tensor an op creates is tracked until its storage dies (``LiveBytes``).
-On meta, `scaled_dot_product_attention` would fall back to its math path and keep the
-(seq x seq) scores; on CPU and GPU torch runs a fused kernel that keeps only the output and a
-log-sum-exp where the call allows one, so the simulation calls the fused op (``FusedAttention``)
-where the target backend says its torch would (Backend.runs_fused_attention: CPU's kernel cannot
-take attention dropout, CUDA's fused kernels can; CUDA's fp32 kernel cannot share grouped
-key/value heads, CPU's can).
-Hooks on the units mark where the engine gathers a unit (before its forward, with `prefetch`
-units ahead; again before its backward), reshards it after forward, and after its backward
-releases it, reduces and keeps a gradient shard; the full-size gradients autograd made are
-dropped there as the engine drops them. The engine's buffers themselves are added by the replay
-(replay.py), so one recording serves every strategy, world size and offload. Activation
-checkpointing wraps each unit as ``shardkit.wrap.checkpoint_layers`` does, so its recomputation
-is simulated, not assumed.
+step runs on the meta device (planner/rehearsal.py: the real engine and optimizer), where ops
+compute shapes and nothing is allocated, and every tensor an op creates is tracked until its
+storage dies (``LiveBytes``). On meta, `scaled_dot_product_attention` would fall back to its
+math path and keep the (seq x seq) scores; on CPU and GPU torch runs a fused kernel that keeps
+only the output and a log-sum-exp where the call allows one, so the rehearsal calls the fused
+op (``FusedAttention``) where the target backend says its torch would
+(Capabilities.fused_attention: CPU's kernel cannot take attention dropout, CUDA's fused kernels
+can; CUDA's fp32 kernel cannot share grouped key/value heads, CPU's can).
 
-On CPU the simulated high-water mark equals what torch's allocator reports for the same unsharded
-step (tests/test_planner_activations.py); for the sharded step it is checked against a measured
-2-rank run.
+On CPU the tracked high-water mark equals what torch's allocator reports for the same unsharded
+step (tests/test_planner_activations.py); sharded steps are checked against measured runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import inspect
 import sys
@@ -44,7 +35,7 @@ from typing_extensions import override
 
 from ..capabilities import AttentionCall, fused_attention_on_cpu
 from ..errors import ShardkitError
-from .replay import AFTER_FORWARD, ALLOC, FREE, GATHER, KEEP, REDUCE, RELEASE, StepRecord
+from .replay import ALLOC, FREE
 
 InputsFn = Callable[[int, int], tuple[tuple, dict]]
 
@@ -52,17 +43,23 @@ InputsFn = Callable[[int, int], tuple[tuple, dict]]
 class LiveBytes(TorchDispatchMode):
     """Bytes of every tensor storage an op created that is still alive, and their maximum.
 
-    With `events` given, each allocation appends ("alloc", nbytes) and each free ("free", n),
-    n numbering the allocations in order (see replay.py)."""
+    Storages the engine frees and gives back in place (Backend.free_storage / alloc_storage: a
+    resize is no op this mode sees) are reported through `resized`. From `begin_window()` on,
+    each allocation appends ("alloc", nbytes) to the window's events and each free ("free", n),
+    n numbering the window's allocations in order (see replay.py); the storages alive when the
+    window begins open it as allocations of their own."""
 
-    def __init__(self, ignore: set[int], events: list[tuple] | None = None) -> None:
+    def __init__(self, ignore: set[int] | frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
-        self.events = events
         self._ignore = ignore  # storages that exist before the step (parameters)
-        self._alive: dict[int, weakref.ref] = {}
+        self._alive: dict[int, tuple[int, int]] = {}  # storage -> (nbytes, allocation number)
+        self._refs: dict[int, weakref.ref] = {}
         self._allocations = 0
+        self._window: dict[int, int] | None = None  # allocation number -> its number in the window
+        self._window_storage: list[int] = []  # window number -> storage
+        self._events: list[tuple] = []
 
     def track(self, tensor: torch.Tensor) -> None:
         """Count `tensor`'s storage from now until it is freed (once, however many views share it)."""
@@ -70,30 +67,99 @@ class LiveBytes(TorchDispatchMode):
         key = storage._cdata
         if key in self._alive or key in self._ignore:
             return
-        nbytes = storage.nbytes()
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        if key not in self._refs:
+            # Storages keep their Python object while alive, so the weakref dies with the storage.
+            self._refs[key] = weakref.ref(storage, functools.partial(self._died, key))
+        self._allocate(key, storage.nbytes())
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """The engine resized `storage` in place: to 0 frees it, to its bytes allocates it anew."""
+        key = storage._cdata
+        self._free(key)
+        if storage.nbytes():
+            if key not in self._refs:
+                self._refs[key] = weakref.ref(storage, functools.partial(self._died, key))
+            self._allocate(key, storage.nbytes())
+
+    def begin_window(self) -> None:
+        """Start recording events; what is alive now opens the window as its first allocations."""
+        self._window, self._window_storage, self._events = {}, [], []
+        for key, (nbytes, number) in sorted(self._alive.items(), key=lambda kv: kv[1][1]):
+            self._open(key, nbytes, number)
+        self.peak = self.live
+
+    def window_events(self, leave_out: set[int] = frozenset()) -> tuple[tuple, ...]:
+        """The window's events, without the allocations of storages in `leave_out` that are
+        still alive (the host's, under cpu_offload)."""
+        dropped = {n for n, key in enumerate(self._window_storage)
+                   if key in leave_out and key in self._alive}
+        renumber: dict[int, int] = {}
+        out: list[tuple] = []
+        allocation = 0
+        for event in self._events:
+            if event[0] == ALLOC:
+                if allocation not in dropped:
+                    renumber[allocation] = len(renumber)
+                    out.append(event)
+                allocation += 1
+            elif event[1] in renumber:
+                out.append((FREE, renumber[event[1]]))
+        return tuple(out)
+
+    def _allocate(self, key: int, nbytes: int) -> None:
         number = self._allocations
         self._allocations += 1
-        if self.events is not None:
-            self.events.append((ALLOC, nbytes))
-        # Storages keep their Python object while alive, so the weakref dies with the storage.
-        self._alive[key] = weakref.ref(storage, functools.partial(self._freed, key, nbytes, number))
+        self._alive[key] = (nbytes, number)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        if self._window is not None:
+            self._open(key, nbytes, number)
 
-    def _freed(self, key: int, nbytes: int, number: int, _ref: object = None) -> None:
-        if self._alive.pop(key, None) is not None:
-            self.live -= nbytes
-            if self.events is not None:
-                self.events.append((FREE, number))
+    def _open(self, key: int, nbytes: int, number: int) -> None:
+        assert self._window is not None
+        self._window[number] = len(self._window_storage)
+        self._window_storage.append(key)
+        self._events.append((ALLOC, nbytes))
+
+    def _free(self, key: int) -> None:
+        entry = self._alive.pop(key, None)
+        if entry is None:
+            return
+        nbytes, number = entry
+        self.live -= nbytes
+        if self._window is not None and number in self._window:
+            self._events.append((FREE, self._window[number]))
+
+    def _died(self, key: int, _ref: object = None) -> None:
+        self._refs.pop(key, None)
+        self._free(key)
 
     @override
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """Run the op and count the storages it created."""
-        out = func(*args, **(kwargs or {}))
+        out = _meta_kernel_gap(func, args, kwargs or {})
+        if out is None:
+            out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)
         return out
+
+
+def _meta_kernel_gap(func, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """An op's result where torch's meta kernel is stricter than the device's own, else None.
+
+    The meta kernel of `_grouped_mm` (mixture-of-experts layers) accepts only bfloat16, as the
+    CUDA kernel does; the CPU kernel takes float32 too. The output's shape does not depend on
+    the dtype: ask the meta kernel with bfloat16 stand-ins, answer in the inputs' dtype."""
+    if func is not torch.ops.aten._grouped_mm.default:
+        return None
+    first, second = args[0], args[1]
+    if first.device.type != "meta" or first.dtype == torch.bfloat16:
+        return None
+    stand_in = func(first.to(torch.bfloat16), second.to(torch.bfloat16), *args[2:], **kwargs)
+    return torch.empty(stand_in.shape, dtype=kwargs.get("out_dtype") or first.dtype,
+                       device="meta")
 
 
 class FusedAttention(TorchFunctionMode):
@@ -134,7 +200,9 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
-def _with_fused_attention(forward: Callable, runs_fused: Callable[[AttentionCall], bool]) -> Callable:
+def with_fused_attention(forward: Callable, runs_fused: Callable[[AttentionCall], bool]) -> Callable:
+    """`forward` with scaled_dot_product_attention routed as the target device would run it."""
+
     @functools.wraps(forward)
     def run(*args, **kwargs):
         with FusedAttention(runs_fused):
@@ -165,21 +233,30 @@ def token_inputs(model: nn.Module) -> InputsFn:
 
 
 @contextlib.contextmanager
-def unpacked_sequences() -> Iterator[None]:
-    """Tell transformers' masks the batch holds no packed sequences without reading positions.
+def traceable_on_meta() -> Iterator[None]:
+    """Answer the two questions transformers' masks ask of token values, which meta cannot.
 
     Without a cache, HF decoders look for several sequences packed into one row by reading the
-    position ids (`.all()` on a tensor), which meta cannot answer; the simulated ids are one
-    sequence per row, so the answer is known: none are packed."""
+    position ids, and skip an explicit causal mask when the padding mask is all ones (`.sum()`
+    compared with the length). The simulated batch is one unpadded sequence per row, so both
+    answers are known: nothing is packed, every token is real. (A batch with padding makes HF
+    build a mask tensor the plan does not hold.)"""
     masking = sys.modules.get("transformers.masking_utils")
-    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+    if masking is None:
         yield
         return
-    with mock.patch.object(masking, "find_packed_sequence_indices", lambda *args, **kwargs: None):
+    with contextlib.ExitStack() as patches:
+        if hasattr(masking, "find_packed_sequence_indices"):
+            patches.enter_context(mock.patch.object(
+                masking, "find_packed_sequence_indices", lambda *args, **kwargs: None))
+        if hasattr(masking, "fast_all"):
+            real = masking.fast_all
+            patches.enter_context(mock.patch.object(
+                masking, "fast_all", lambda t: True if t.device.type == "meta" else real(t)))
         yield
 
 
-def _loss(output: Any) -> torch.Tensor:
+def model_loss(output: Any) -> torch.Tensor:
     """The loss a user would take: HF's own, else cross-entropy over the last dim in fp32."""
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
@@ -191,114 +268,3 @@ def _loss(output: Any) -> torch.Tensor:
                             "whose forward returns a tensor or an object with .loss")
     flat = logits.reshape(-1, logits.shape[-1]).float()
     return F.cross_entropy(flat, torch.zeros(flat.shape[0], dtype=torch.long, device="meta"))
-
-
-class _Recorder:
-    """Marks the engine's moments among the step's events, and drops gradients where it does."""
-
-    def __init__(self, modules: list[nn.Module], events: list[tuple], direct_numel: int | None) -> None:
-        self.modules, self.events = modules, events  # units in the engine's order, root last
-        self.direct_numel = direct_numel  # Capabilities.direct_collective_numel
-        self.in_flight: list[torch.Tensor] = []  # direct gradients of the last reduced unit
-        self.pending: dict[int, int] = {}  # unit -> its trainable parameters
-        self.ready: dict[int, list[nn.Parameter]] = {}  # unit -> those with a gradient so far
-        self.handles: list[Any] = []
-
-    def install(self) -> None:
-        """Hook every unit's module; `remove` takes the hooks off again."""
-        root = len(self.modules) - 1
-        for i, module in enumerate(self.modules):
-            # Gather order: this unit, then (with prefetch) the next ones in forward, the
-            # previous ones in backward; the root stays gathered and is never prefetched.
-            ahead = (i,) if i == root else tuple(range(i, root))
-            behind = tuple(range(i, -1, -1))
-            self.handles += [
-                module.register_forward_pre_hook(lambda *_, o=ahead: self.events.append((GATHER, o))),
-                module.register_forward_hook(lambda *_, i=i: self.events.append((AFTER_FORWARD, i))),
-            ]
-            if i != root:  # the root stays gathered (and its output may be no tensor)
-                self.handles.append(module.register_full_backward_pre_hook(
-                    lambda *_, o=behind: self.events.append((GATHER, o))))
-            trainable = [p for p in _own_params(module, self.modules) if p.requires_grad]
-            self.pending[i] = len(trainable)
-            for p in trainable:
-                self.handles.append(p.register_post_accumulate_grad_hook(
-                    lambda p, i=i: self._grad_ready(i, p)))
-
-    def _grad_ready(self, i: int, param: nn.Parameter) -> None:
-        self.ready.setdefault(i, []).append(param)
-        if len(self.ready[i]) < self.pending[i]:
-            return
-        # The engine's post-backward, in its order: free the gathered parameters, finish the
-        # previous unit's reduction (its input dies), pack this unit's gradients into a reduce
-        # input (large parameters reduce straight out of their gradient instead), which lives
-        # until the next unit's post-backward; only the reduced shard stays.
-        self.events.append((RELEASE, i))
-        self.in_flight = []
-        self.events.append((REDUCE, i))
-        direct = []
-        for p in self.ready.pop(i):
-            if self.direct_numel is not None and p.numel() >= self.direct_numel:
-                direct.append(p.grad)
-            p.grad = None
-        self.events.append((KEEP, i))
-        self.in_flight = direct  # type: ignore[assignment]
-
-    def remove(self) -> None:
-        """Take every hook off."""
-        for handle in self.handles:
-            handle.remove()
-
-
-def _own_params(module: nn.Module, modules: list[nn.Module]) -> list[nn.Parameter]:
-    """The parameters of `module` that no nested unit claims (each distinct parameter once)."""
-    inside = {id(m) for m in module.modules()}
-    nested = {id(p) for m in modules if m is not module and id(m) in inside for p in m.parameters()}
-    return [p for p in module.parameters() if id(p) not in nested]
-
-
-def record_step(model: nn.Module, units: list[nn.Module], batch: int, seq: int,
-                inputs: InputsFn | None, compute_dtype: torch.dtype | None,
-                checkpoint_classes: tuple[type, ...], direct_numel: int | None = None,
-                runs_fused: Callable[[AttentionCall], bool] = fused_attention_on_cpu) -> StepRecord:
-    """Run one forward + backward of `model` on meta at (batch, seq) and record its events.
-
-    `units` are the engine's unit modules of `model` in its order, root last. Gradients are
-    dropped as the engine drops them; its own buffers are left to the replay (replay.py)."""
-    from ..sharding.surface.recipes import checkpoint_layers
-
-    with torch.device("meta"):
-        twin = copy.deepcopy(model).to("meta")  # hooks, casts and checkpointing stay off `model`
-    if compute_dtype is not None:
-        for p in twin.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(compute_dtype)
-    index = {id(m): i for i, m in enumerate(model.modules())}
-    twin_modules = list(twin.modules())
-    twin_units = [twin_modules[index[id(m)]] for m in units]
-    if checkpoint_classes:
-        # Recomputation runs on autograd's thread, where the mode entered below is not active.
-        for layer in twin.modules():
-            if isinstance(layer, checkpoint_classes):
-                layer.forward = _with_fused_attention(layer.forward, runs_fused)
-        checkpoint_layers(twin, checkpoint_classes)
-    args, kwargs = (inputs or token_inputs(twin))(batch, seq)
-    events: list[tuple] = []
-    tracker = LiveBytes({p.untyped_storage()._cdata for p in twin.parameters()}, events)
-    recorder = _Recorder(twin_units, events, direct_numel)
-    recorder.install()
-    try:
-        with tracker, FusedAttention(runs_fused), unpacked_sequences():
-            _loss(twin(*args, **kwargs)).backward()
-    except ShardkitError:
-        raise
-    except Exception as exc:
-        raise ShardkitError(
-            f"simulating a training step of {type(model).__name__} on the meta device failed "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). A forward that "
-            "reads tensor values (data-dependent control flow) cannot run there. HINT: plan without "
-            "batch= (the peak then leaves activations out), or pass example_inputs=fn(batch, seq) "
-            "returning (args, kwargs) that the forward accepts") from exc
-    finally:
-        recorder.remove()
-    return StepRecord(batch, tuple(events))

@@ -33,13 +33,27 @@ from .nodes import inter_node_by_rank
 from .replay import Timeline
 from .optimizers import state_tensors
 from .result import Plan, UnitRow
-from .workload import Workload, unit_sizes, with_step
+from .workload import Target, Workload, with_step
 
 
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ShardkitError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def plan_target(backend: object, shard_alignment: int | None) -> Target:
+    """What the rehearsal takes the target to be: the named backend's declared capabilities
+    and device type, else the host's defaults with `shard_alignment`."""
+    caps = target_capabilities(backend)
+    if caps is None:
+        align, _, _ = backend_facts(shard_alignment, None)
+        return Target(Capabilities(shard_alignment=align), "cpu")
+    from ..backend import Backend
+    from ..job.selection import backend_class
+
+    cls = type(backend) if isinstance(backend, Backend) else backend_class(backend)
+    return Target(caps, cls.device_type)
 
 
 def target_capabilities(backend: object) -> Capabilities | None:
@@ -158,10 +172,14 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
                                 "(the per-rank batch size to simulate)")
         return result
     batch = _positive_int("batch", batch)
-    workload = Workload(model, [u.module for u in units], None if seq is None else
-                        _positive_int("seq", seq), example_inputs, mp.param_dtype, direct, attention)
-    return step_plan(result, workload.timeline(activation_checkpointing, batch), batch, seq,
-                     activation_checkpointing)
+    options = dict(auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
+                   prefetch=prefetch, hybrid_group_size=group if replicas > 1 else None,
+                   reshard_after_forward=reshard_after_forward)
+    workload = Workload(model, None if seq is None else _positive_int("seq", seq), example_inputs,
+                        options, optimizer, plan_target(backend, shard_alignment))
+    timeline = workload.timeline(world, strat.name, bool(cpu_offload), activation_checkpointing,
+                                 batch)
+    return step_plan(result, timeline, batch, seq, activation_checkpointing)
 
 
 def _ranks_per_node(world: int, nodes: int | None) -> int:
@@ -176,9 +194,8 @@ def _ranks_per_node(world: int, nodes: int | None) -> int:
 
 def step_plan(static: Plan, timeline: Timeline, batch: int, seq: int | None,
               activation_checkpointing: bool) -> Plan:
-    """`static` with the peak of the recorded step at `batch` included."""
-    step = timeline.peak(unit_sizes(static.units, static.cpu_offload), static.prefetch, batch)
-    return with_step(static, step, batch, seq, activation_checkpointing)
+    """`static` with the peak of the rehearsed step at `batch` included."""
+    return with_step(static, timeline.peak(batch), batch, seq, activation_checkpointing)
 
 
 def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[str, bool | int],

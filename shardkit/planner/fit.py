@@ -2,9 +2,9 @@
 
 Every answer is a plan (shardkit.plan with batch=) at the edge: the batch (or world size) it
 returns fits in `device_memory` per rank and one more sample (or the next smaller world size
-tried) does not. The step is recorded on the meta device at batches 1 and 2 and replayed for
-every batch, strategy, offload and world size (replay.py): a table of twelve configurations
-costs four simulated steps, however large the model.
+tried) does not. Each configuration's step is rehearsed on the meta device at batches 1 and 2
+(rehearsal.py) and its timeline answers for every batch (replay.py): a table of twelve
+configurations costs twenty-four rehearsals, each about as long as a step on meta.
 """
 
 from __future__ import annotations
@@ -16,14 +16,11 @@ from typing import Any, Callable
 from torch import nn
 
 from ..errors import ShardkitError
-from ..sharding.setup.plan import plan_units
-from ..sharding.policies import ShardConfig
-from ..sharding.wrap_policies import as_policy
 from .activations import InputsFn
-from .build import backend_facts, plan, step_plan, target_capabilities
+from .build import plan, plan_target, step_plan, target_capabilities
 from .replay import Timeline, peak_at
 from .result import Plan, _size
-from .workload import Workload, fixed_bytes, unit_sizes
+from .workload import Workload
 
 TABLE_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
@@ -83,37 +80,41 @@ class _Fitter:
             if key in options:
                 raise ShardkitError(f"{key}= is chosen by the search's own arguments here")
         self.model, self.seq, self.options = model, seq, options
-        config = ShardConfig.build("FULL_SHARD", options.get("mixed_precision"), False, 1, None)
-        units = plan_units(model, as_policy(options.get("auto_wrap_policy")))
-        _, direct, attention = backend_facts(options.get("shard_alignment"), options.get("backend"))
-        self.workload = Workload(model, [u.module for u in units], seq, example_inputs,
-                                 config.mixed_precision.param_dtype, direct, attention)
+        self.workload = Workload(model, seq, example_inputs, options,
+                                 options.get("optimizer", "adam"),
+                                 plan_target(options.get("backend"), options.get("shard_alignment")))
+        self._every_batch: dict[tuple, Timeline] = {}
 
     def static(self, world_size: int, strategy: str, cpu_offload: bool) -> Plan:
         """The plan without a step (cheap: shapes only)."""
         return plan(self.model, world_size, strategy=strategy, cpu_offload=cpu_offload,
                     seq=None, **self.options)
 
-    def _timeline(self, ac: bool, batch: int) -> Timeline:
-        """The shared two-batch timeline, or this batch's own recording where that does not hold."""
-        timeline = self.workload.timeline(ac)
-        return timeline if timeline.valid_at(batch) else self.workload.timeline(ac, batch)
+    def _timeline(self, static: Plan, ac: bool, batch: int | None = None) -> Timeline:
+        """The configuration's timeline for every batch (batch None, or once that is known and
+        holds at `batch`), else its own rehearsal at `batch`."""
+        key = (static.world_size, static.strategy, static.cpu_offload, ac)
+        every = self._every_batch.get(key)
+        if batch is None and every is None:
+            every = self._every_batch[key] = self.workload.timeline(*key)
+        if every is not None and (batch is None or every.valid_at(batch)):
+            return every
+        return self.workload.timeline(*key, batch)
 
     def batch_peak(self, static: Plan, ac: bool) -> Callable[[int], int]:
         """Peak per rank as a function of the batch, for one configuration."""
-        timeline = self.workload.timeline(ac)
-        points = timeline.high_points(unit_sizes(static.units, static.cpu_offload), static.prefetch)
-        fixed = fixed_bytes(static)
+        timeline = self._timeline(static, ac)
+        points = timeline.high_points()
 
         def peak(batch: int) -> int:
             if timeline.valid_at(batch):
-                return fixed + peak_at(points, batch)
+                return peak_at(points, batch)
             return self.at(static, ac, batch).peak_bytes
         return peak
 
     def at(self, static: Plan, ac: bool, batch: int) -> Plan:
         """The plan of `static` with the step at `batch`."""
-        return step_plan(static, self._timeline(ac, batch), batch, self.seq, ac)
+        return step_plan(static, self._timeline(static, ac, batch), batch, self.seq, ac)
 
     def largest_batch(self, world_size: int, strategy: str, ac: bool, cpu_offload: bool,
                       budget: int, max_batch: int, headroom: float) -> Fit:
@@ -208,14 +209,12 @@ def smallest_world_size(model: nn.Module, device_memory: int, batch: int | None 
     stride = math.lcm(*(v for v in (options.get("hybrid_group_size"),
                                     options.get("reshard_after_forward"))
                         if isinstance(v, int) and not isinstance(v, bool)), 1)
-    timeline = None if batch is None else fitter.workload.timeline(ac, batch)
     plans: dict[int, Plan] = {}
 
     def plan_at(multiple: int) -> Plan:
         if multiple not in plans:
             static = fitter.static(multiple * stride, strategy, bool(cpu_offload))
-            plans[multiple] = (static if timeline is None or batch is None
-                               else step_plan(static, timeline, batch, seq, ac))
+            plans[multiple] = static if batch is None else fitter.at(static, ac, batch)
         return plans[multiple]
 
     def over(multiple: int) -> int:  # 0 when it fits; never increases with more ranks

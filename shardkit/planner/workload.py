@@ -1,68 +1,85 @@
-"""A model's training step recorded on meta once per batch size, for plan() and the fit searches."""
+"""A model's training step, rehearsed per configuration and batch size, kept for reuse.
+
+plan() asks for one configuration at one batch; the fit searches ask for many batches of a few
+configurations, so each configuration is rehearsed at two batch sizes and its timeline
+(replay.py) answers for the rest.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any
 
-import torch
 from torch import nn
 
-from ..capabilities import AttentionCall, fused_attention_on_cpu
+from ..capabilities import Capabilities
+from ..sharding.setup.plan import plan_units
+from ..sharding.wrap_policies import as_policy
 from ..errors import ShardkitError
-from .activations import InputsFn, record_step
+from .activations import InputsFn
 from .models import check_sequence_fits
-from .replay import StepRecord, Timeline, UnitSizes
-from .result import Plan, UnitRow
+from .rehearsal import Rehearsal, StepSetup, rehearse
+from .replay import Timeline
+from .result import Plan
+
+# shard()'s options a plan passes through unchanged to the rehearsal.
+SHARD_OPTIONS = ("auto_wrap_policy", "mixed_precision", "prefetch", "hybrid_group_size",
+                 "reshard_after_forward")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The backend a plan is for: its declared capabilities and device type (never started)."""
+
+    capabilities: Capabilities
+    device_type: str
 
 
 class Workload:
-    """The step of `model` at a fixed sequence length, its recordings kept for reuse."""
+    """The step of `model` at a fixed sequence length, its rehearsals kept for reuse."""
 
-    def __init__(self, model: nn.Module, units: list[nn.Module], seq: int | None,
-                 inputs: InputsFn | None, compute_dtype: torch.dtype | None,
-                 direct_numel: int | None,
-                 fused_attention: Callable[[AttentionCall], bool] = fused_attention_on_cpu) -> None:
+    def __init__(self, model: nn.Module, seq: int | None, inputs: InputsFn | None,
+                 options: dict[str, Any], optimizer: str, target: Target) -> None:
         if getattr(model, "config", None) is not None:  # a transformers model: its positions
             check_sequence_fits(model.config, model, seq)
-        self.model, self.units, self.seq = model, units, seq
-        self.inputs, self.compute_dtype, self.direct_numel = inputs, compute_dtype, direct_numel
-        self.fused_attention = fused_attention  # the target backend's kernel choice
-        self._records: dict[tuple[bool, int], StepRecord] = {}
+        self.model, self.seq, self.inputs = model, seq, inputs
+        self.options = {k: options[k] for k in SHARD_OPTIONS if options.get(k) is not None}
+        self.optimizer, self.target = optimizer, target
+        units = plan_units(model, as_policy(self.options.get("auto_wrap_policy")))
+        # checkpoint_layers gets every unit's class below the root, as a user would pass.
+        self.layer_classes = tuple(dict.fromkeys(type(u.module) for u in units[:-1]))
+        self._rehearsals: dict[tuple, Rehearsal] = {}
 
-    def record(self, batch: int, activation_checkpointing: bool) -> StepRecord:
-        """The recorded step at `batch` (simulated on first use)."""
-        key = (bool(activation_checkpointing), batch)
-        if key not in self._records:
-            # checkpoint_layers gets every unit's class below the root, as a user would pass.
-            classes = tuple(dict.fromkeys(type(m) for m in self.units[:-1]))
-            self._records[key] = record_step(
-                self.model, self.units, batch, 1 if self.seq is None else self.seq, self.inputs,
-                self.compute_dtype, classes if activation_checkpointing else (), self.direct_numel,
-                self.fused_attention)
-        return self._records[key]
+    def rehearsal(self, world_size: int, strategy: str, cpu_offload: bool,
+                  activation_checkpointing: bool, batch: int) -> Rehearsal:
+        """The configuration's step rehearsed at `batch` (on first use)."""
+        key = (world_size, strategy, bool(cpu_offload), bool(activation_checkpointing), batch)
+        if key not in self._rehearsals:
+            setup = StepSetup(
+                world_size, {**self.options, "strategy": strategy, "cpu_offload": cpu_offload},
+                self.optimizer, self.target.capabilities, self.target.device_type,
+                self.layer_classes if activation_checkpointing else ())
+            self._rehearsals[key] = rehearse(self.model, setup, batch,
+                                             1 if self.seq is None else self.seq, self.inputs)
+        return self._rehearsals[key]
 
-    def timeline(self, activation_checkpointing: bool, batch: int | None = None) -> Timeline:
-        """The step at `batch`, or (None) for every batch: sizes through batches 1 and 2.
+    def timeline(self, world_size: int, strategy: str, cpu_offload: bool,
+                 activation_checkpointing: bool, batch: int | None = None) -> Timeline:
+        """The configuration's step at `batch`, or (None) for every batch: sizes through
+        batches 1 and 2.
 
         A model that runs other ops at batch 1 (a squeeze, a special case) is extrapolated
-        through 2 and 3 instead, and only batch 1 itself is then taken from its own recording."""
+        through 2 and 3 instead, and only batch 1 itself is then taken from its own rehearsal."""
+        def record(b: int):
+            return self.rehearsal(world_size, strategy, cpu_offload, activation_checkpointing,
+                                  b).record
+
         if batch is not None:
-            return Timeline.at(self.record(batch, activation_checkpointing))
+            return Timeline.at(record(batch))
         try:
-            return Timeline.between(self.record(1, activation_checkpointing),
-                                    self.record(2, activation_checkpointing))
+            return Timeline.between(record(1), record(2))
         except ShardkitError:
-            return Timeline.between(self.record(2, activation_checkpointing),
-                                    self.record(3, activation_checkpointing))
-
-
-def unit_sizes(rows: tuple[UnitRow, ...] | list[UnitRow], cpu_offload: bool) -> list[UnitSizes]:
-    """What the engine allocates per unit, for the replayed step (rows in the engine's order)."""
-    # A shard group of one (NO_SHARD) gathers too: into a buffer of its own, from the shard.
-    return [UnitSizes(row.unsharded_bytes, row.reduce_bytes, 0 if cpu_offload else row.grad_shard_bytes,
-                      row.reshard_after_forward, root=(i == len(rows) - 1))
-            for i, row in enumerate(rows)]
+            return Timeline.between(record(2), record(3))
 
 
 def fixed_bytes(static: Plan) -> int:
@@ -72,9 +89,10 @@ def fixed_bytes(static: Plan) -> int:
     return static.persistent_device - grads_on_device
 
 
-def with_step(static: Plan, step_bytes: int, batch: int, seq: int | None,
+def with_step(static: Plan, peak_bytes: int, batch: int, seq: int | None,
               activation_checkpointing: bool) -> Plan:
-    """`static` (a plan without a batch) with the step's bytes at `batch` added to its peak."""
-    return dataclasses.replace(static, batch=batch, seq=seq, step_bytes=step_bytes,
+    """`static` (a plan without a batch) with the rehearsed step's peak at `batch`."""
+    return dataclasses.replace(static, batch=batch, seq=seq,
+                               step_bytes=max(peak_bytes - fixed_bytes(static), 0),
                                activation_checkpointing=bool(activation_checkpointing),
-                               peak_bytes=fixed_bytes(static) + step_bytes)
+                               peak_bytes=peak_bytes)

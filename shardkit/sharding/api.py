@@ -73,6 +73,8 @@ def _check_not_sharded(model: nn.Module) -> None:
 
 
 def _sync_module_states(requested: bool | None, backend: Backend) -> bool:
+    if not backend.capabilities.holds_values:
+        return False  # no values to copy
     if requested is not None:
         if not isinstance(requested, bool):
             raise ShardkitError(f"sync_module_states must be True, False or None, got "
@@ -144,7 +146,7 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     state, reshard_groups, mesh = _make_runtime(ctx, choices, verify)
     by_param = _shard_parameters(model, ctx, choices, state, mesh)
     _make_units(state, choices, by_param, reshard_groups)
-    if not choices.sync:
+    if not choices.sync and ctx.backend.capabilities.holds_values:
         check_replicas([(sp.fqn, sp.local) for sp in state.iter_params()], state.replica_group,
                        list(model.named_buffers()), ctx.world, ctx.backend, choices.device)
     _hand_over(model, state, mesh)
@@ -177,9 +179,10 @@ def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixe
                                ctx.world.size)
     reshard = resolve(reshard_after_forward, units, config, n_shard)
     sync = _sync_module_states(sync_module_states, be)
-    check_same_model(describe(units, config) + [f"reshard_after_forward: {reshard}",
-                                                f"sync_module_states: {sync}"],
-                     ctx.world)  # before any group
+    if be.capabilities.holds_values:  # a rehearsal has no peers to ask
+        check_same_model(describe(units, config) + [f"reshard_after_forward: {reshard}",
+                                                    f"sync_module_states: {sync}"],
+                         ctx.world)  # before any group
     if not any(u.params for u in units):
         raise ShardkitError(f"shard() got a model with no parameters ({type(model).__name__}): "
                             "there is nothing to shard or train. HINT: pass the model whose "
@@ -201,12 +204,12 @@ def _make_runtime(ctx: DistContext, choices: _Choices,
                        ranks_per_node=ctx.env.local_world_size or None)
     maker.release_with(state)
     mesh = make_mesh(ctx.world, shard_group, replica_group, choices.device.type,
-                     _shard_device(choices).type, be.capabilities.torch_process_group)
+                     _shard_device(choices, be).type, be.capabilities.torch_process_group)
     return state, reshard_groups, mesh
 
 
-def _shard_device(choices: _Choices) -> torch.device:
-    return torch.device("cpu") if choices.config.cpu_offload else choices.device
+def _shard_device(choices: _Choices, backend: Backend) -> torch.device:
+    return backend.host_device() if choices.config.cpu_offload else choices.device
 
 
 def _shard_parameters(model: nn.Module, ctx: DistContext, choices: _Choices, state: ShardState,
@@ -221,7 +224,7 @@ def _shard_parameters(model: nn.Module, ctx: DistContext, choices: _Choices, sta
             value = nn.Parameter(broadcast_from_first(value, be, ctx.world, device),
                                  requires_grad=value.requires_grad)
         sp = ShardedParam(plan.fqns, plan.owners, value, state.shard_group,
-                          be.capabilities.shard_alignment, _shard_device(choices), device,
+                          be.capabilities.shard_alignment, _shard_device(choices, be), device,
                           choices.config.compute_dtype(value.dtype), be, mesh)
         sp.register(unsharded=False)  # drops the module's reference to the full tensor
         by_param[id(plan.param)] = sp
@@ -229,7 +232,7 @@ def _shard_parameters(model: nn.Module, ctx: DistContext, choices: _Choices, sta
     plans = {id(p.param): p for p in all_param_plans(choices.units)}
     remember_replaced(list(plans.values()))
     if has_meta(model):
-        materialize(model, device, choices.config.param_init_fn,
+        materialize(model, device, choices.config.param_init_fn, be.capabilities.holds_values,
                     lambda meta, real: make(plans[id(meta)], real))
     for module in model.modules():
         for name, buf in list(module._buffers.items()):

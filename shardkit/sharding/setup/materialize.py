@@ -24,9 +24,11 @@ def has_meta(module: nn.Module) -> bool:
 
 
 def materialize(root: nn.Module, device: torch.device,
-                param_init_fn: Callable[[nn.Module], object] | None,
+                param_init_fn: Callable[[nn.Module], object] | None, initialise: bool,
                 on_ready: Callable[[nn.Parameter, nn.Parameter], None]) -> None:
-    """Give every meta tensor real, initialised memory; call on_ready(meta_param, real_param)."""
+    """Give every meta tensor real, initialised memory; call on_ready(meta_param, real_param).
+
+    initialise=False leaves the new tensors as they are (a device whose tensors hold no values)."""
     owners_left: dict[int, int] = {}
     for module in root.modules():
         for p in module._parameters.values():
@@ -52,7 +54,7 @@ def materialize(root: nn.Module, device: torch.device,
             if b is not None and b.device.type == "meta":
                 touched = True
                 module._buffers[attr] = torch.empty_like(b, device=device)
-        if touched:
+        if touched and initialise:
             _init_module(name, module, param_init_fn)
         for p in list(module._parameters.values()):
             if p is None or id(p) not in metas:

@@ -1,0 +1,299 @@
+"""The planner's step: the real engine rehearsing a training step on the meta device.
+
+A planner that describes the engine by hand (when it gathers, what it keeps, which buffers it
+pools) drifts from it with every change to the engine, and errs low where it forgot something:
+the CPU buffer pool kept between steps was one such miss. So the planner does not describe the
+engine: `shardkit.shard()` itself shards a meta-device copy of the model under a backend that
+moves no bytes (`RehearsalBackend`: the target backend's capabilities, so the engine takes the
+target's code paths, with collectives that return at once and storage changes reported to the
+tracker), the user's kind of optimizer steps it, and two training steps run. Every tensor the
+second step allocates and frees is recorded (`LiveBytes`): the model's activations, the engine's
+gathered parameters, buffers, pooled buffers and gradient shards, the optimizer's state and its
+temporaries. A change to the engine's schedule changes the plan with no edit here.
+
+The rehearsal is rank 0 of `world_size` ranks (the fullest: padding goes to the last ranks).
+Under cpu_offload the host's tensors are meta tensors too (Backend.host_device); those alive at
+the end of the step (shards, gradients, optimizer state) are left out of the device's count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from ..backend import Backend
+from ..capabilities import AttentionCall, Capabilities
+from ..errors import ShardkitError
+from ..handles import CompletedWork, Group, NullEvent, NullStream, Work
+from ..launch_env import LaunchEnv
+from ..logs import logger
+from .activations import (FusedAttention, InputsFn, LiveBytes, model_loss, token_inputs,
+                          traceable_on_meta, with_fused_attention)
+from .replay import StepRecord
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adadelta": torch.optim.Adadelta,
+    "sgd": lambda params, **kw: torch.optim.SGD(params, lr=0.01, **kw)}
+
+
+class RehearsalBackend(Backend):
+    """A backend on the meta device whose collectives move nothing: the engine's paths are the
+    target's (its capabilities), every byte it allocates is a meta tensor the tracker counts."""
+
+    name = "rehearsal"
+    device_type = "meta"
+
+    def __init__(self, target: Capabilities, world_size: int) -> None:
+        # Per instance, not per class: each plan rehearses its own target.
+        self.capabilities = dataclasses.replace(  # type: ignore[misc]
+            target, torch_process_group=False, holds_values=False)
+        self.world_size = world_size
+        self.tracker: LiveBytes | None = None
+
+    @classmethod
+    @override
+    def is_available(cls) -> bool:
+        """Always: it needs nothing but torch."""
+        return True
+
+    @classmethod
+    @override
+    def requirement_hint(cls) -> str:
+        """Nothing to install."""
+        return ""
+
+    @override
+    def local_device(self, local_rank: int) -> torch.device:
+        """The meta device, for every rank."""
+        return torch.device("meta")
+
+    @override
+    def device_count(self) -> int:
+        """As many devices as rehearsed ranks."""
+        return self.world_size
+
+    @override
+    def process_group_backend(self) -> str:
+        """None: no torch process group is made."""
+        return "none"
+
+    @override
+    def normalize_device(self, device_id: Any, local_rank: int) -> torch.device:
+        """The meta device, whatever was asked."""
+        return torch.device("meta")
+
+    @override
+    def set_device(self, device: torch.device) -> None:
+        """Nothing to select."""
+
+    @override
+    def host_device(self) -> torch.device:
+        """The meta device: offloaded tensors cost no host memory while planning."""
+        return torch.device("meta")
+
+    @override
+    def new_stream(self, device: torch.device) -> Any:
+        """A null stream (meta work is not queued)."""
+        return NullStream()
+
+    @override
+    def current_stream(self, device: torch.device) -> Any:
+        """A null stream."""
+        return NullStream()
+
+    @override
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        """A context that changes nothing."""
+        return contextlib.nullcontext(stream)
+
+    @override
+    def new_event(self) -> Any:
+        """A null event."""
+        return NullEvent()
+
+    @override
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Nothing to tell an allocator."""
+
+    @override
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """Nothing to wait for."""
+
+    @override
+    def free_storage(self, tensor: torch.Tensor) -> None:
+        """Free the storage in place and tell the tracker (a resize is no op it sees)."""
+        storage = tensor.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+            if self.tracker is not None:
+                self.tracker.resized(storage)
+
+    @override
+    def alloc_storage(self, tensor: torch.Tensor) -> None:
+        """Give the storage its bytes back and tell the tracker."""
+        nbytes = tensor.numel() * tensor.element_size()
+        storage = tensor.untyped_storage()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+            if self.tracker is not None:
+                self.tracker.resized(storage)
+
+    @override
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        """A group as rank 0 sees it; nothing is created."""
+        ranks = tuple(sorted(int(r) for r in ranks))
+        return Group(ranks.index(0) if 0 in ranks else -1, len(ranks), ranks)
+
+    @override
+    def destroy_group(self, group: Group) -> None:
+        """Nothing was created."""
+
+    @override
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
+                               async_op: bool = False) -> Work:
+        """Done at once: the output's bytes are the engine's, already counted."""
+        return CompletedWork()
+
+    @override
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
+                              op: str = "sum", async_op: bool = False, *,
+                              factor: float | None = None) -> Work:
+        """Done at once."""
+        return CompletedWork()
+
+    @override
+    def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = "sum",
+                   async_op: bool = False, *, factor: float | None = None) -> Work:
+        """Done at once."""
+        return CompletedWork()
+
+    @override
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Work:
+        """Done at once."""
+        return CompletedWork()
+
+    @override
+    def barrier(self, group: Group) -> None:
+        """No peers to wait for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rehearsal:
+    """What one rehearsed configuration tells the planner."""
+
+    record: StepRecord  # the second step's device allocations and frees, what was live first
+    comm: dict[str, int]  # the engine's CommStats of that step, as comm_stats(model) says them
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSetup:
+    """Everything shard() and the training loop take, for one rehearsed configuration."""
+
+    world_size: int
+    shard_kwargs: dict[str, Any]  # strategy, auto_wrap_policy, mixed_precision, cpu_offload, ...
+    optimizer: str
+    target: Capabilities
+    target_device_type: str  # decides the optimizer's foreach path, as torch decides it
+    checkpoint_classes: tuple[type, ...]  # activation checkpointing on these layers, or ()
+
+
+def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
+             inputs: InputsFn | None) -> Rehearsal:
+    """Shard a meta copy of `model` as `setup` says, train two steps, record the second."""
+    from ..job.runtime import DistContext, acting_context
+    from ..sharding.api import shard
+    from ..sharding.surface.recipes import checkpoint_layers
+    from ..sharding import comm_stats
+
+    backend = RehearsalBackend(setup.target, setup.world_size)
+    world = Group(0, setup.world_size, tuple(range(setup.world_size)))
+    env = LaunchEnv(0, setup.world_size, 0, setup.world_size, "127.0.0.1", None, "planner")
+    context = DistContext(backend, env, torch.device("meta"), world)
+    with torch.device("meta"):
+        twin = copy.deepcopy(model).to("meta")  # hooks, casts and checkpointing stay off `model`
+    args, kwargs = (inputs or token_inputs(twin))(batch, seq)
+    tracker = LiveBytes()
+    backend.tracker = tracker
+    runs_fused = setup.target.fused_attention
+    try:
+        with acting_context(context), _quiet(), tracker, FusedAttention(runs_fused), \
+                traceable_on_meta():
+            twin = shard(twin, **setup.shard_kwargs)
+            if setup.checkpoint_classes:
+                # Recomputation runs on autograd's thread, where the modes above are not active.
+                for layer in twin.modules():
+                    if isinstance(layer, setup.checkpoint_classes):
+                        layer.forward = with_fused_attention(layer.forward, runs_fused)
+                checkpoint_layers(twin, setup.checkpoint_classes)
+            optimizer = _optimizer(setup, twin)
+            _train_step(twin, optimizer, args, kwargs)
+            comm_stats(twin, reset=True)  # the second step's traffic only
+            tracker.begin_window()
+            _train_step(twin, optimizer, args, kwargs, zero_grad=False)
+            host = _host_storages(twin, optimizer) if setup.shard_kwargs.get("cpu_offload") else set()
+            comm = comm_stats(twin)
+            optimizer.zero_grad()
+        del twin, optimizer  # the rehearsal's model is freed here, with its engine state
+    except ShardkitError:
+        raise
+    except Exception as exc:
+        raise ShardkitError(
+            f"rehearsing a training step of {type(model).__name__} on the meta device failed "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). A forward "
+            "that reads tensor values (data-dependent control flow) cannot run there. HINT: plan "
+            "without batch= (the peak then leaves activations out), or pass "
+            "example_inputs=fn(batch, seq) returning (args, kwargs) that the forward accepts"
+        ) from exc
+    return Rehearsal(StepRecord(batch, tracker.window_events(leave_out=host)), comm)
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict,
+                zero_grad: bool = True) -> None:
+    model_loss(model(*args, **kwargs)).backward()
+    optimizer.step()
+    if zero_grad:
+        optimizer.zero_grad()
+
+
+def _optimizer(setup: StepSetup, model: nn.Module) -> torch.optim.Optimizer:
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    make = OPTIMIZERS.get(setup.optimizer.lower())
+    if make is None:
+        raise ShardkitError(f"unknown optimizer {setup.optimizer!r}; choose one of "
+                            f"{', '.join(sorted(OPTIMIZERS))}")
+    # torch picks the multi-tensor (foreach) path on devices with those kernels, and it keeps
+    # temporaries the size of every parameter at once: take the path the target device takes.
+    foreach = setup.target_device_type in _get_foreach_kernels_supported_devices()
+    return make([p for p in model.parameters() if p.requires_grad], foreach=foreach)
+
+
+def _host_storages(model: nn.Module, optimizer: torch.optim.Optimizer) -> set[int]:
+    """The storages cpu_offload keeps on the host: shards, their gradients, optimizer state."""
+    tensors: list[torch.Tensor] = []
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        tensors.append(local)
+        if p.grad is not None:
+            tensors.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return {t.untyped_storage()._cdata for t in tensors}
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No "rank 0: sharded ..." lines from a rehearsal in the user's log."""
+    previous = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = previous
+
