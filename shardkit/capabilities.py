@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from .errors import ShardkitError
+from .kernel_workspace import KernelCall, cpu_kernel_workspace
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 EXACT_REDUCE_OPS = frozenset({"avg", "premul_sum"})  # what exact_reduce_ops may name
@@ -84,6 +85,15 @@ class Capabilities:
     # them (a caching allocator reserves blocks it does not hand back): "what fits" plans a
     # budget of device_memory / (1 + allocator_headroom). 0 where memory is what tensors hold.
     allocator_headroom: float = 0.0
+    # Scratch bytes a kernel allocates for itself while an op runs (kernel_workspace.py): the
+    # planner's rehearsal adds them at that op. A pure function of the call that errs high.
+    kernel_workspace: Callable[[KernelCall], int] = cpu_kernel_workspace
+    # Bytes the device's libraries hold once the first kernels ran (cuBLAS's workspaces come
+    # from CUDA's caching allocator), added to every planned peak.
+    library_workspace_bytes: int = 0
+    # A share of the rehearsed peak added for what no rule covers (a kernel's small scratch):
+    # the planner's peak errs high by this much and no more.
+    peak_margin: float = 0.02
     # Tensors hold values. False only for the planner's rehearsal (planner/rehearsal.py: the real
     # engine on the meta device, collectives that move nothing), where shard() skips what reads
     # values or asks the peers: initialising, copying rank 0's values, comparing replicas.
@@ -93,6 +103,10 @@ class Capabilities:
         if not 0.0 <= self.allocator_headroom < 10.0:
             raise ShardkitError(f"Capabilities.allocator_headroom is a fraction of the allocated "
                                 f"bytes in [0, 10), got {self.allocator_headroom}")
+        if not 0.0 <= self.peak_margin < 1.0 or self.library_workspace_bytes < 0:
+            raise ShardkitError(f"Capabilities.peak_margin is a fraction in [0, 1) and "
+                                f"library_workspace_bytes a byte count >= 0, got "
+                                f"{self.peak_margin} and {self.library_workspace_bytes}")
         if self.direct_collective_numel is not None and self.direct_collective_numel < 1:
             raise ShardkitError(f"Capabilities.direct_collective_numel must be None or >= 1, got "
                                 f"{self.direct_collective_numel}")
@@ -120,5 +134,9 @@ class Capabilities:
             "compile_refusal": self.compile_refusal,
             "allocator_headroom": self.allocator_headroom,
             "holds_values": self.holds_values,
+            "kernel_workspace": getattr(self.kernel_workspace, "__qualname__",
+                                        repr(self.kernel_workspace)),
+            "library_workspace_bytes": self.library_workspace_bytes,
+            "peak_margin": self.peak_margin,
             "fused_attention": getattr(self.fused_attention, "__qualname__", repr(self.fused_attention)),
         }

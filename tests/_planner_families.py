@@ -94,10 +94,13 @@ def family(name: str) -> Family:
     raise ValueError(f"unknown family {name!r}; one of {FAMILIES}")
 
 
-def measured_family_peak(rank: int, name: str, batch: int, seq: int, ac: bool,
-                         bf16: bool) -> dict:
-    """This rank's CPU allocator high-water mark over a warm training step of the family's model
-    (FULL_SHARD, AdamW; bf16: MixedPrecision(param_dtype=bfloat16)), from torch's profiler."""
+def measured_family_peak(rank: int, name: str, batch: int, seq: int, ac: bool, bf16: bool,
+                         strategy: str = "FULL_SHARD", cpu_offload: bool = False) -> dict:
+    """This rank's CPU allocator high-water mark over the second training step (forward,
+    backward, AdamW's step) of the family's model (bf16: MixedPrecision(param_dtype=bfloat16)),
+    from torch's profiler, and what was held as that step began. Under cpu_offload the device
+    is the host too: the shards, gradients and optimizer state are subtracted (counted from
+    the tensors)."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
@@ -111,7 +114,7 @@ def measured_family_peak(rank: int, name: str, batch: int, seq: int, ac: bool,
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(0)
         model = shardkit.shard(fam.make(), auto_wrap_policy=transformer_layers(set(fam.blocks)),
-                               mixed_precision=mp)
+                               mixed_precision=mp, strategy=strategy, cpu_offload=cpu_offload)
         if ac:
             checkpoint_layers(model, fam.blocks)
         opt = torch.optim.AdamW(model.parameters())
@@ -121,5 +124,19 @@ def measured_family_peak(rank: int, name: str, batch: int, seq: int, ac: bool,
         opt.zero_grad()
         with record_function(WINDOW):
             model(*args, **kwargs).loss.backward()
+            opt.step()
+        host = _host_bytes(model, opt) if cpu_offload else 0
+        opt.zero_grad()
     held_before, peak = peak_in_window(prof)
-    return {"held_before": held_before, "peak": peak}
+    return {"held_before": held_before - host, "peak": peak - host, "host": host}
+
+
+def _host_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of the shards, their gradients and the optimizer's state (cpu_offload's host side)."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()
+                                                 if p.grad is not None]
+    tensors += [v for state in opt.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor)]
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # DTensors
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
 from ..capabilities import AttentionCall, fused_attention_on_cpu
+from ..kernel_workspace import KernelCall
 from ..errors import ShardkitError
 from .replay import ALLOC, FREE
 
@@ -49,17 +50,20 @@ class LiveBytes(TorchDispatchMode):
     n numbering the window's allocations in order (see replay.py); the storages alive when the
     window begins open it as allocations of their own."""
 
-    def __init__(self, ignore: set[int] | frozenset[int] = frozenset()) -> None:
+    def __init__(self, ignore: set[int] | frozenset[int] = frozenset(),
+                 workspace: Callable[[KernelCall], int] | None = None, threads: int = 1) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.workspace, self.threads = workspace, threads  # Capabilities.kernel_workspace
+        self.largest_workspace = 0
         self._ignore = ignore  # storages that exist before the step (parameters)
         self._alive: dict[int, tuple[int, int]] = {}  # storage -> (nbytes, allocation number)
         self._refs: dict[int, weakref.ref] = {}
         self._allocations = 0
         self._window: dict[int, int] | None = None  # allocation number -> its number in the window
-        self._window_storage: list[int] = []  # window number -> storage
         self._events: list[tuple] = []
+        self._scratch = 0
 
     def track(self, tensor: torch.Tensor) -> None:
         """Count `tensor`'s storage from now until it is freed (once, however many views share it)."""
@@ -83,7 +87,7 @@ class LiveBytes(TorchDispatchMode):
 
     def begin_window(self) -> None:
         """Start recording events; what is alive now opens the window as its first allocations."""
-        self._window, self._window_storage, self._events = {}, [], []
+        self._window, self._events = {}, []
         for key, (nbytes, number) in sorted(self._alive.items(), key=lambda kv: kv[1][1]):
             self._open(key, nbytes, number)
         self.peak = self.live
@@ -91,8 +95,10 @@ class LiveBytes(TorchDispatchMode):
     def window_events(self, leave_out: set[int] = frozenset()) -> tuple[tuple, ...]:
         """The window's events, without the allocations of storages in `leave_out` that are
         still alive (the host's, under cpu_offload)."""
-        dropped = {n for n, key in enumerate(self._window_storage)
-                   if key in leave_out and key in self._alive}
+        assert self._window is not None
+        # The allocation each storage holds now (an address is reused once a storage dies).
+        dropped = {self._window[self._alive[key][1]] for key in leave_out
+                   if key in self._alive and self._alive[key][1] in self._window}
         renumber: dict[int, int] = {}
         out: list[tuple] = []
         allocation = 0
@@ -117,8 +123,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _open(self, key: int, nbytes: int, number: int) -> None:
         assert self._window is not None
-        self._window[number] = len(self._window_storage)
-        self._window_storage.append(key)
+        self._window[number] = len(self._window)
         self._events.append((ALLOC, nbytes))
 
     def _free(self, key: int) -> None:
@@ -143,6 +148,16 @@ class LiveBytes(TorchDispatchMode):
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)
+        if self.workspace is not None:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            scratch = self.workspace(KernelCall(str(func), tuple(tuple(t.shape) for t in tensors),
+                                                tuple(t.dtype for t in tensors), self.threads))
+            if scratch:
+                # The kernel's scratch lives while it runs, beside its inputs and outputs.
+                self._scratch -= 1
+                self._allocate(self._scratch, scratch)
+                self._free(self._scratch)
+                self.largest_workspace = max(self.largest_workspace, scratch)
         return out
 
 

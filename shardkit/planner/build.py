@@ -109,7 +109,8 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
          shard_alignment: int | None = None, backend: object = None, prefetch: int = 1,
          reshard_after_forward: ReshardSpec = None, batch: int | None = None,
          seq: int | None = None, activation_checkpointing: bool = False,
-         example_inputs: InputsFn | None = None, nodes: int | None = None) -> Plan:
+         example_inputs: InputsFn | None = None, nodes: int | None = None,
+         threads_per_rank: int | None = None) -> Plan:
     """Predict per-rank memory and bytes sent per step for `model` sharded as shard() would.
 
     The model may live on the meta device (nothing is allocated; a 70B config plans in seconds).
@@ -135,7 +136,10 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
       (batch, seq) (and labels, decoder_input_ids where their forward takes them); any other
       model needs example_inputs=fn(batch, seq) -> (args, kwargs) of meta tensors.
       activation_checkpointing=True simulates shardkit.wrap.checkpoint_layers on every unit
-      below the root.
+      below the root. The step is the real one: shard() and the optimizer run on a meta copy
+      of the model under a backend that moves no bytes (planner/rehearsal.py).
+    - threads_per_rank: intra-op threads per rank (default this process's), for kernels whose
+      scratch grows with them (Capabilities.kernel_workspace).
     The returned Plan's docstring says what its peak includes.
     """
     if not isinstance(model, nn.Module):
@@ -175,11 +179,19 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     options = dict(auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
                    prefetch=prefetch, hybrid_group_size=group if replicas > 1 else None,
                    reshard_after_forward=reshard_after_forward)
+    target = plan_target(backend, shard_alignment)
     workload = Workload(model, None if seq is None else _positive_int("seq", seq), example_inputs,
-                        options, optimizer, plan_target(backend, shard_alignment))
+                        options, optimizer, target, threads(threads_per_rank))
     timeline = workload.timeline(world, strat.name, bool(cpu_offload), activation_checkpointing,
                                  batch)
-    return step_plan(result, timeline, batch, seq, activation_checkpointing)
+    return step_plan(result, timeline, target, batch, seq, activation_checkpointing)
+
+
+def threads(threads_per_rank: int | None) -> int:
+    """The intra-op threads each rank runs with: as given, else this process's."""
+    if threads_per_rank is None:
+        return torch.get_num_threads()
+    return _positive_int("threads_per_rank", threads_per_rank)
 
 
 def _ranks_per_node(world: int, nodes: int | None) -> int:
@@ -192,10 +204,11 @@ def _ranks_per_node(world: int, nodes: int | None) -> int:
     return world // nodes
 
 
-def step_plan(static: Plan, timeline: Timeline, batch: int, seq: int | None,
+def step_plan(static: Plan, timeline: Timeline, target: Target, batch: int, seq: int | None,
               activation_checkpointing: bool) -> Plan:
     """`static` with the peak of the rehearsed step at `batch` included."""
-    return with_step(static, timeline.peak(batch), batch, seq, activation_checkpointing)
+    return with_step(static, timeline.peak(batch), target.capabilities, batch, seq,
+                     activation_checkpointing)
 
 
 def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[str, bool | int],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import math
 from typing import Any
 
@@ -150,6 +151,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ac", action="store_true",
                    help="with --batch: activation checkpointing on every unit below the root "
                         "(shardkit.wrap.checkpoint_layers)")
+    p.add_argument("--threads-per-rank", type=positive_int, default=None, metavar="N",
+                   help="intra-op threads per rank, for kernels whose scratch grows with them "
+                        "(default: this process's torch threads)")
+    p.add_argument("--measure", action="store_true",
+                   help="with --batch: also train the planned step here (--world-size ranks on "
+                        "--backend's devices) and print each rank's measured peak beside the "
+                        "plan; exit status 1 if a rank exceeded it")
     t = p.add_argument_group("step time at scale (alpha-beta model)")
     t.add_argument("--step-time", metavar="FWD_MS[,BWD_MS[,OPT_MS]]", default=None,
                    help="compute of one step at one rank (the per-rank batch): forward ms, "
@@ -191,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     options = dict(auto_wrap_policy=wrap_by_class_names(model, wrap_names),
                    mixed_precision=mixed_precision(args.mixed_precision), optimizer=args.optimizer,
                    hybrid_group_size=args.hybrid_group_size, backend=args.backend,
-                   prefetch=args.prefetch, nodes=args.nodes)
+                   prefetch=args.prefetch, nodes=args.nodes, threads_per_rank=args.threads_per_rank)
     heading = (f"model: {type(model).__name__}; units: "
                f"{', '.join(sorted(wrap_names)) or 'the root module only'}")
     if args.step_time is not None and (args.device_memory is not None or args.world_size == "auto"):
@@ -200,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
     if args.headroom is not None and args.device_memory is None:
         raise ShardkitError("--headroom is the allocator's share of --device-memory; give "
                             "--device-memory too (e.g. --device-memory 80GiB --headroom 30%)")
+    if args.measure and (args.batch is None or args.world_size == "auto"
+                         or args.device_memory is not None or args.step_time is not None):
+        raise ShardkitError("--measure checks one plan with its step: give --batch (and --seq) "
+                            "and a number for --world-size, without --device-memory or --step-time")
     if args.device_memory is not None or args.world_size == "auto":
         return _fit(args, model, options, heading)
     if args.step_time is not None:
@@ -212,7 +224,31 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(heading)
         print(result.table())
-    return 0
+    return _measure(args, result, wrap_names) if args.measure else 0
+
+
+def _measure(args: argparse.Namespace, result: Any, wrap_names: list[str]) -> int:
+    """Train the planned step on this machine's devices; print planned vs measured per rank."""
+    from ..job.spawn import spawn
+    from .measure import MeasureSpec, ModelSource, compare, measured_peak
+
+    if args.cpu_offload and (args.backend or "cpu").split("+")[0] == "cpu":
+        raise ShardkitError("--measure with --cpu-offload needs a device apart from the host: "
+                            "on the cpu backend the offloaded shards and the device's tensors "
+                            "share one memory. HINT: --backend cuda (or xpu) on a machine with "
+                            "one")
+    source = ModelSource(args.hf_config, tuple(args.set), args.target, tuple(wrap_names))
+    shard_kwargs = dict(strategy=args.strategy, cpu_offload=args.cpu_offload,
+                        reshard_after_forward=args.reshard_after_forward,
+                        mixed_precision=mixed_precision(args.mixed_precision),
+                        hybrid_group_size=args.hybrid_group_size, prefetch=args.prefetch)
+    spec = MeasureSpec(source, shard_kwargs, args.ac, args.optimizer, args.batch,
+                       args.seq or 1)
+    measured = spawn(measured_peak, args.world_size, spec, backend=args.backend,
+                     threads_per_rank=args.threads_per_rank)
+    report, held = compare(result.peak_bytes, measured, args.backend or "default backend")
+    print(report, file=sys.stderr if args.json else sys.stdout)
+    return 0 if held else 1
 
 
 def _step_time(args: argparse.Namespace, model: Any, options: dict[str, Any], heading: str) -> int:

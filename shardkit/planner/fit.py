@@ -17,10 +17,10 @@ from torch import nn
 
 from ..errors import ShardkitError
 from .activations import InputsFn
-from .build import plan, plan_target, step_plan, target_capabilities
+from .build import plan, plan_target, step_plan, target_capabilities, threads
 from .replay import Timeline, peak_at
 from .result import Plan, _size
-from .workload import Workload
+from .workload import Workload, planned_peak
 
 TABLE_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
@@ -80,9 +80,10 @@ class _Fitter:
             if key in options:
                 raise ShardkitError(f"{key}= is chosen by the search's own arguments here")
         self.model, self.seq, self.options = model, seq, options
+        self.target = plan_target(options.get("backend"), options.get("shard_alignment"))
         self.workload = Workload(model, seq, example_inputs, options,
-                                 options.get("optimizer", "adam"),
-                                 plan_target(options.get("backend"), options.get("shard_alignment")))
+                                 options.get("optimizer", "adam"), self.target,
+                                 threads(options.get("threads_per_rank")))
         self._every_batch: dict[tuple, Timeline] = {}
 
     def static(self, world_size: int, strategy: str, cpu_offload: bool) -> Plan:
@@ -108,13 +109,14 @@ class _Fitter:
 
         def peak(batch: int) -> int:
             if timeline.valid_at(batch):
-                return peak_at(points, batch)
+                return planned_peak(peak_at(points, batch), self.target.capabilities)
             return self.at(static, ac, batch).peak_bytes
         return peak
 
     def at(self, static: Plan, ac: bool, batch: int) -> Plan:
         """The plan of `static` with the step at `batch`."""
-        return step_plan(static, self._timeline(static, ac, batch), batch, self.seq, ac)
+        return step_plan(static, self._timeline(static, ac, batch), self.target, batch, self.seq,
+                         ac)
 
     def largest_batch(self, world_size: int, strategy: str, ac: bool, cpu_offload: bool,
                       budget: int, max_batch: int, headroom: float) -> Fit:

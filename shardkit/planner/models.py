@@ -18,8 +18,8 @@ from ..sharding.wrap_policies import WrapPolicy, transformer_layers
 
 
 
-def from_factory(target: str) -> nn.Module:
-    """Import `module:factory` (dots allowed after the colon) and call it under torch.device("meta")."""
+def from_factory(target: str, device: str = "meta") -> nn.Module:
+    """Import `module:factory` (dots allowed after the colon) and call it under torch.device(device)."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ShardkitError(f"expected MODULE:FACTORY (e.g. mypkg.models:build), got {target!r}")
@@ -35,7 +35,7 @@ def from_factory(target: str) -> nn.Module:
         obj = getattr(obj, part)
     if not callable(obj):
         raise ShardkitError(f"{target!r} is not callable; it must return an nn.Module")
-    with torch.device("meta"):
+    with torch.device(device):
         model = obj()
     if not isinstance(model, nn.Module):
         raise ShardkitError(f"{target!r} returned {type(model).__name__}, not an nn.Module")
@@ -126,13 +126,13 @@ def hf_config(name_or_json: str, overrides: Iterable[str] = ()) -> Any:
     return config
 
 
-def from_hf_config(config: Any) -> nn.Module:
-    """The causal-LM (else seq2seq-LM, else base) model of `config`, built on the meta device."""
+def from_hf_config(config: Any, device: str = "meta") -> nn.Module:
+    """The causal-LM (else seq2seq-LM, else base) model of `config`, built on `device`."""
     import transformers
 
     for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModel"):
         try:
-            with torch.device("meta"):
+            with torch.device(device):
                 return getattr(transformers, auto).from_config(config)
         except ValueError:  # this config has no model of that kind
             continue

@@ -189,6 +189,7 @@ class Rehearsal:
 
     record: StepRecord  # the second step's device allocations and frees, what was live first
     comm: dict[str, int]  # the engine's CommStats of that step, as comm_stats(model) says them
+    largest_workspace: int  # the largest kernel scratch the target's rule added at one op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +202,7 @@ class StepSetup:
     target: Capabilities
     target_device_type: str  # decides the optimizer's foreach path, as torch decides it
     checkpoint_classes: tuple[type, ...]  # activation checkpointing on these layers, or ()
+    threads: int = 1  # intra-op threads per rank (kernel workspaces per thread)
 
 
 def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
@@ -217,8 +219,8 @@ def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
     context = DistContext(backend, env, torch.device("meta"), world)
     with torch.device("meta"):
         twin = copy.deepcopy(model).to("meta")  # hooks, casts and checkpointing stay off `model`
-    args, kwargs = (inputs or token_inputs(twin))(batch, seq)
-    tracker = LiveBytes()
+    make_inputs = inputs or token_inputs(twin)
+    tracker = LiveBytes(workspace=setup.target.kernel_workspace, threads=setup.threads)
     backend.tracker = tracker
     runs_fused = setup.target.fused_attention
     try:
@@ -232,11 +234,13 @@ def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
                         layer.forward = with_fused_attention(layer.forward, runs_fused)
                 checkpoint_layers(twin, setup.checkpoint_classes)
             optimizer = _optimizer(setup, twin)
+            args, kwargs = make_inputs(batch, seq)  # the batch is on the device during the step
             _train_step(twin, optimizer, args, kwargs)
             comm_stats(twin, reset=True)  # the second step's traffic only
             tracker.begin_window()
             _train_step(twin, optimizer, args, kwargs, zero_grad=False)
             host = _host_storages(twin, optimizer) if setup.shard_kwargs.get("cpu_offload") else set()
+            record = StepRecord(batch, tracker.window_events(leave_out=host))
             comm = comm_stats(twin)
             optimizer.zero_grad()
         del twin, optimizer  # the rehearsal's model is freed here, with its engine state
@@ -250,7 +254,7 @@ def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
             "without batch= (the peak then leaves activations out), or pass "
             "example_inputs=fn(batch, seq) returning (args, kwargs) that the forward accepts"
         ) from exc
-    return Rehearsal(StepRecord(batch, tracker.window_events(leave_out=host)), comm)
+    return Rehearsal(record, comm, tracker.largest_workspace)
 
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict,

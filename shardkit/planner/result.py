@@ -41,12 +41,16 @@ class Plan:
     (SHARD_GRAD_OP / reshard_after_forward=False: the whole unsharded unit; an int k: its 1/k
     slice). Activations, autograd temporaries and allocator fragmentation are NOT included.
 
-    Given a batch (plan(..., batch=, seq=)), `step_bytes` is instead what one forward + backward
-    adds above the persistent state at its high-water mark, simulated on the meta device
-    (shardkit/planner/activations.py: activations, autograd temporaries, the loss, gathered
-    units, full-size gradients until reduced, activation checkpointing's recomputation), and
-    `peak_bytes` = persistent device bytes + `step_bytes`. Allocator fragmentation is not
-    included.
+    Given a batch (plan(..., batch=, seq=)), `peak_bytes` is instead the high-water mark of the
+    second of two training steps (forward, backward, optimizer.step) that shardkit.shard() and
+    the optimizer actually ran on a meta-device copy of the model (planner/rehearsal.py: every
+    tensor the engine, autograd and the optimizer kept, the engine's buffers and pooled buffers,
+    activation checkpointing's recomputation), plus `margin_bytes` for what no tensor shows:
+    kernel scratch by the target backend's rule at each op, its libraries' workspaces and its
+    declared share of the peak (Capabilities.kernel_workspace, library_workspace_bytes,
+    peak_margin). It is meant as an upper bound of the allocator's max_memory_allocated over a
+    step. `step_bytes` is what the step adds above the shards and optimizer state. What the
+    caching allocator reserves beyond that is "what fits"'s headroom (fit.py).
     """
 
     world_size: int
@@ -73,6 +77,7 @@ class Plan:
     seq: int | None = None
     activation_checkpointing: bool = False
     step_bytes: int | None = None  # see the class docstring
+    margin_bytes: int | None = None  # of peak_bytes: added for what the rehearsal cannot see
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-friendly builtins (units as a list of dicts)."""
@@ -91,7 +96,8 @@ class Plan:
         return (f"peak per rank at {shape}{ac}: {_size(self.peak_bytes)} on the device = "
                 f"shards and optimizer state {_size(self.peak_bytes - self.step_bytes)} + step "
                 f"{_size(self.step_bytes)} (activations, temporaries, gathered units, gradients; "
-                "simulated on meta)")
+                f"the engine rehearsed on meta; {_size(self.margin_bytes or 0)} of it a margin "
+                "for kernel workspaces)")
 
     def table(self) -> str:
         """A readable text table: one line per unit, then per-rank totals."""

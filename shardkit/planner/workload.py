@@ -8,6 +8,7 @@ configurations, so each configuration is rehearsed at two batch sizes and its ti
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from torch import nn
@@ -39,12 +40,13 @@ class Workload:
     """The step of `model` at a fixed sequence length, its rehearsals kept for reuse."""
 
     def __init__(self, model: nn.Module, seq: int | None, inputs: InputsFn | None,
-                 options: dict[str, Any], optimizer: str, target: Target) -> None:
+                 options: dict[str, Any], optimizer: str, target: Target,
+                 threads_per_rank: int = 1) -> None:
         if getattr(model, "config", None) is not None:  # a transformers model: its positions
             check_sequence_fits(model.config, model, seq)
         self.model, self.seq, self.inputs = model, seq, inputs
         self.options = {k: options[k] for k in SHARD_OPTIONS if options.get(k) is not None}
-        self.optimizer, self.target = optimizer, target
+        self.optimizer, self.target, self.threads = optimizer, target, threads_per_rank
         units = plan_units(model, as_policy(self.options.get("auto_wrap_policy")))
         # checkpoint_layers gets every unit's class below the root, as a user would pass.
         self.layer_classes = tuple(dict.fromkeys(type(u.module) for u in units[:-1]))
@@ -58,7 +60,7 @@ class Workload:
             setup = StepSetup(
                 world_size, {**self.options, "strategy": strategy, "cpu_offload": cpu_offload},
                 self.optimizer, self.target.capabilities, self.target.device_type,
-                self.layer_classes if activation_checkpointing else ())
+                self.layer_classes if activation_checkpointing else (), self.threads)
             self._rehearsals[key] = rehearse(self.model, setup, batch,
                                              1 if self.seq is None else self.seq, self.inputs)
         return self._rehearsals[key]
@@ -89,10 +91,19 @@ def fixed_bytes(static: Plan) -> int:
     return static.persistent_device - grads_on_device
 
 
-def with_step(static: Plan, peak_bytes: int, batch: int, seq: int | None,
-              activation_checkpointing: bool) -> Plan:
-    """`static` (a plan without a batch) with the rehearsed step's peak at `batch`."""
+def planned_peak(rehearsed_peak: int, target: Capabilities) -> int:
+    """The rehearsed peak with the target's margin for what no tensor shows."""
+    return (rehearsed_peak + target.library_workspace_bytes
+            + math.ceil(target.peak_margin * rehearsed_peak))
+
+
+def with_step(static: Plan, rehearsed_peak: int, target: Capabilities, batch: int,
+              seq: int | None, activation_checkpointing: bool) -> Plan:
+    """`static` (a plan without a batch) with the rehearsed step's peak at `batch`, and the
+    target's margin for what the rehearsal cannot see."""
+    peak = planned_peak(rehearsed_peak, target)
+    margin = peak - rehearsed_peak
     return dataclasses.replace(static, batch=batch, seq=seq,
-                               step_bytes=max(peak_bytes - fixed_bytes(static), 0),
+                               step_bytes=max(peak - fixed_bytes(static), 0),
                                activation_checkpointing=bool(activation_checkpointing),
-                               peak_bytes=peak_bytes)
+                               peak_bytes=peak, margin_bytes=margin)

@@ -1,0 +1,152 @@
+"""`shardkit plan ... --measure`: train the planned step on this machine and set the measured
+peak beside the planned one.
+
+A plan is an upper bound by construction (planner/rehearsal.py), and this is how a user checks
+it on their own device in one command: the ranks build the same model (really, on the device),
+shard it with the same options, train two steps with the same optimizer, and report the
+allocator's high-water mark over the second step (forward, backward, optimizer.step):
+`max_memory_allocated` on an accelerator, torch's own allocation count (the profiler's
+memory events) on the host, where the process's resident size would count far more than
+tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ShardkitError
+
+_WINDOW = "shardkit::measured_step"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The model as the command line named it, rebuilt in each rank (on the meta device)."""
+
+    hf_config: str | None
+    overrides: tuple[str, ...]
+    factory: str | None
+    wrap_names: tuple[str, ...]  # the units' class names (a policy of the user's classes
+    # would need their module importable before the rank has put the working directory on
+    # its path)
+
+    def build(self, device: str = "meta") -> torch.nn.Module:
+        """The model, built on `device`."""
+        from .models import from_factory, from_hf_config, hf_config
+
+        if self.hf_config is not None:
+            return from_hf_config(hf_config(self.hf_config, self.overrides), device)
+        assert self.factory is not None
+        return from_factory(self.factory, device)
+
+
+@dataclass(frozen=True)
+class MeasureSpec:
+    """What each rank needs to build, shard and train the planned model (all picklable)."""
+
+    source: ModelSource
+    shard_kwargs: dict[str, Any]  # shard()'s options but the units
+    activation_checkpointing: bool
+    optimizer: str
+    batch: int
+    seq: int
+
+
+def measured_peak(rank: int, spec: MeasureSpec) -> dict[str, int]:
+    """This rank's allocator high-water mark over its second training step, in bytes."""
+    import shardkit
+    from ..sharding.surface.recipes import checkpoint_layers
+    from .activations import model_loss, token_inputs
+    from .rehearsal import OPTIMIZERS
+
+    from .models import wrap_by_class_names
+
+    ctx = shardkit.current_context()
+    on_host = ctx.device.type == "cpu"
+    profiler = _host_profiler() if on_host else None
+    with profiler if profiler is not None else contextlib.nullcontext():
+        torch.manual_seed(0)  # every rank builds the same values (shard() compares them)
+        model = spec.source.build("cpu")  # built and initialised on the host, then sharded
+        policy = wrap_by_class_names(model, spec.source.wrap_names)
+        layers = tuple({type(m) for m in model.modules()
+                        if type(m).__name__ in spec.source.wrap_names})
+        model = shardkit.shard(model, auto_wrap_policy=policy, **spec.shard_kwargs)
+        if spec.activation_checkpointing and layers:
+            checkpoint_layers(model, layers)
+        optimizer = OPTIMIZERS[spec.optimizer.lower()](
+            [p for p in model.parameters() if p.requires_grad])
+        args, kwargs = token_inputs(model)(spec.batch, spec.seq)
+        args = tuple(torch.zeros_like(a, device=ctx.device) for a in args)
+        kwargs = {k: torch.zeros_like(v, device=ctx.device) if isinstance(v, torch.Tensor) else v
+                  for k, v in kwargs.items()}
+
+        def step() -> None:
+            model_loss(model(*args, **kwargs)).backward()
+            optimizer.step()
+
+        step()
+        optimizer.zero_grad()
+        ctx.backend.synchronize(ctx.device)
+        ctx.backend.reset_peak_memory(ctx.device)
+        if on_host:
+            from torch.autograd.profiler import record_function
+
+            with record_function(_WINDOW):
+                step()
+        else:
+            step()
+            ctx.backend.synchronize(ctx.device)
+    if on_host:
+        return {"peak": _peak_in_window(profiler)}
+    return {"peak": int(ctx.backend.memory_stats(ctx.device)["peak"])}
+
+
+def _host_profiler() -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    # Started before the model exists: the running total is then every tensor this rank holds.
+    return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+
+def _peak_in_window(prof: Any) -> int:
+    """The most bytes torch's CPU allocator held during the measured step."""
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.remove(path)
+    (window,) = [e for e in events if e.get("name") == _WINDOW and e.get("ph") == "X"]
+    start, end = window["ts"], window["ts"] + window["dur"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"
+              and start <= e["ts"] <= end]
+    if not totals:
+        raise ShardkitError("--measure: the profiler recorded no allocation in the measured step")
+    return max(totals)
+
+
+def compare(planned: int, measured: list[dict[str, int]], device: str) -> tuple[str, bool]:
+    """The report's lines and whether every rank stayed within the plan."""
+    from .result import _size
+
+    lines = [f"measured on this machine ({device}, {len(measured)} rank(s), torch "
+             f"{torch.__version__}): each rank's allocator peak over its second step"]
+    held = True
+    for rank, got in enumerate(measured):
+        peak = got["peak"]
+        held = held and peak <= planned
+        lines.append(f"rank {rank}: planned {_size(planned)}, measured {_size(peak)} "
+                     f"(planned / measured {planned / max(peak, 1):.3f})")
+    lines.append("the plan held on every rank" if held else
+                 "the plan was EXCEEDED: please report it with this output "
+                 "(shardkit's planner promises an upper bound)")
+    return "\n".join(lines), held
