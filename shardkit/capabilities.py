@@ -93,7 +93,11 @@ class Capabilities:
     library_workspace_bytes: int = 0
     # A share of the rehearsed peak added for what no rule covers (a kernel's small scratch):
     # the planner's peak errs high by this much and no more.
-    peak_margin: float = 0.02
+    peak_margin: float = 0.01
+    # A finished collective's tensors may stay referenced by the library's own threads for a
+    # while after wait() returned (gloo's and NCCL's work objects): a gradient the engine let go
+    # can outlive its step. The planner then adds the largest tensor one reduction took.
+    collective_tensors_linger: bool = False
     # Tensors hold values. False only for the planner's rehearsal (planner/rehearsal.py: the real
     # engine on the meta device, collectives that move nothing), where shard() skips what reads
     # values or asks the peers: initialising, copying rank 0's values, comparing replicas.
@@ -138,5 +142,6 @@ class Capabilities:
                                         repr(self.kernel_workspace)),
             "library_workspace_bytes": self.library_workspace_bytes,
             "peak_margin": self.peak_margin,
+            "collective_tensors_linger": self.collective_tensors_linger,
             "fused_attention": getattr(self.fused_attention, "__qualname__", repr(self.fused_attention)),
         }

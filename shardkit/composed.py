@@ -46,7 +46,8 @@ COLLECTIVE_SIDE = (
 PAIR_OWN = ("is_available", "unavailable_reason", "requirement_hint", "versions", "auto_select_now",
             "max_local_ranks")
 # Capabilities fields that describe the collective library; the rest describe the device.
-COLLECTIVE_FIELDS = ("async_collectives", "shard_alignment", "torch_process_group", "reduce_ops",
+COLLECTIVE_FIELDS = ("async_collectives", "shard_alignment", "torch_process_group",
+                     "collective_tensors_linger", "reduce_ops",
                      "exact_reduce_ops")
 
 

@@ -111,6 +111,9 @@ def measured_family_peak(rank: int, name: str, batch: int, seq: int, ac: bool, b
 
     fam = family(name)
     mp = shardkit.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
+    device = shardkit.current_context().device
+    if device.type != "cpu":
+        return _device_peak(fam, batch, seq, ac, mp, strategy, cpu_offload)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(0)
         model = shardkit.shard(fam.make(), auto_wrap_policy=transformer_layers(set(fam.blocks)),
@@ -129,6 +132,34 @@ def measured_family_peak(rank: int, name: str, batch: int, seq: int, ac: bool, b
         opt.zero_grad()
     held_before, peak = peak_in_window(prof)
     return {"held_before": held_before - host, "peak": peak - host, "host": host}
+
+
+def _device_peak(fam: Family, batch: int, seq: int, ac: bool, mp: object, strategy: str,
+                 cpu_offload: bool) -> dict:
+    """An accelerator's max_memory_allocated over the second step (and max_memory_reserved)."""
+    import shardkit
+    from shardkit.wrap import checkpoint_layers, transformer_layers
+
+    ctx = shardkit.current_context()
+    torch.manual_seed(0)
+    model = shardkit.shard(fam.make(), auto_wrap_policy=transformer_layers(set(fam.blocks)),
+                           mixed_precision=mp, strategy=strategy, cpu_offload=cpu_offload)
+    if ac:
+        checkpoint_layers(model, fam.blocks)
+    opt = torch.optim.AdamW(model.parameters())
+    args, kwargs = fam.inputs(batch, seq, ctx.device)
+    model(*args, **kwargs).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    ctx.backend.synchronize(ctx.device)
+    held = ctx.backend.memory_stats(ctx.device)["allocated"]
+    ctx.backend.reset_peak_memory(ctx.device)
+    model(*args, **kwargs).loss.backward()
+    opt.step()
+    ctx.backend.synchronize(ctx.device)
+    module = getattr(torch, ctx.device.type)
+    return {"held_before": held, "peak": ctx.backend.memory_stats(ctx.device)["peak"],
+            "reserved": module.max_memory_reserved(ctx.device), "host": 0}
 
 
 def _host_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:

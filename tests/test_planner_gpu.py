@@ -11,6 +11,7 @@ from shardkit.wrap import transformer_layers
 pytest.importorskip("transformers")
 
 from _planner_act_workers import build, measured_device_peak
+from _planner_families import family, measured_family_peak
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -31,9 +32,50 @@ def test_predicted_peak_matches_the_cuda_allocator(name, batch, seq, ac):
     print(f"{name} batch {batch} seq {seq} ac {ac}: predicted {plan.peak_bytes / 2**20:.1f} MiB, "
           f"max_memory_allocated {got['peak'] / 2**20:.1f} MiB (held when the step began "
           f"{got['held_before'] / 2**20:.1f})")
-    assert plan.peak_bytes == pytest.approx(got["peak"], rel=0.05)  # issue 22's bound
+    assert got["peak"] <= plan.peak_bytes <= 1.10 * got["peak"]  # issue 34's upper bound
     # "What fits" keeps the declared allocator headroom free: it must cover what was reserved.
     headroom = shardkit.get_backend("cuda").capabilities.allocator_headroom
     print(f"  max_memory_reserved {got['reserved'] / 2**20:.1f} MiB = "
           f"{got['reserved'] / got['peak']:.3f} x allocated (declared headroom {headroom:.2f})")
     assert got["reserved"] <= (1 + headroom) * got["peak"]
+
+
+@pytest.mark.parametrize("case", [
+    ("bert", 8, 512, False, False), ("bert", 8, 512, True, True), ("bart", 8, 512, False, True),
+    ("qwen2", 4, 1024, False, False), ("qwen2", 4, 1024, True, True), ("vit", 32, 224, False, True),
+    ("vit", 32, 224, True, False), ("qwen2-moe", 4, 512, False, False)],
+    ids=lambda c: "-".join(map(str, c)))
+def test_the_families_table_holds_on_the_gpu(case):
+    # Issue 34's table on the device: planned >= max_memory_allocated over the second step
+    # (forward, backward, optimizer.step) and within 1.10 x of it.
+    name, batch, seq, ac, bf16 = case
+    (got,) = shardkit.spawn(measured_family_peak, 1, name, batch, seq, ac, bf16,
+                            backend="cuda", threads_per_rank=1)
+    fam = family(name)
+    with torch.device("meta"):
+        model = fam.make()
+    mp = shardkit.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
+    plan = shardkit.plan(model, world_size=1, auto_wrap_policy=transformer_layers(set(fam.blocks)),
+                         optimizer="adamw", mixed_precision=mp, batch=batch, seq=seq,
+                         activation_checkpointing=ac, backend="cuda",
+                         example_inputs=lambda b, s: fam.inputs(b, s, "meta"))
+    print(f"{case}: planned {plan.peak_bytes / 2**20:.1f} MiB, max_memory_allocated "
+          f"{got['peak'] / 2**20:.1f} MiB, planned / measured {plan.peak_bytes / got['peak']:.3f}; "
+          f"reserved / allocated {got['reserved'] / got['peak']:.3f}")
+    assert got["peak"] <= plan.peak_bytes <= 1.10 * got["peak"]
+
+
+def test_the_offloaded_plan_holds_on_the_gpu():
+    # Only where the device is not the host can cpu_offload's device peak be measured: the
+    # rehearsal leaves the host's tensors (shards, gradients, optimizer state) out.
+    (got,) = shardkit.spawn(measured_family_peak, 1, "qwen2", 4, 1024, False, False,
+                            "FULL_SHARD", True, backend="cuda", threads_per_rank=1)
+    fam = family("qwen2")
+    with torch.device("meta"):
+        model = fam.make()
+    plan = shardkit.plan(model, world_size=1, auto_wrap_policy=transformer_layers(set(fam.blocks)),
+                         optimizer="adamw", batch=4, seq=1024, cpu_offload=True, backend="cuda",
+                         example_inputs=lambda b, s: fam.inputs(b, s, "meta"))
+    print(f"cpu_offload: planned {plan.peak_bytes / 2**20:.1f} MiB, max_memory_allocated "
+          f"{got['peak'] / 2**20:.1f} MiB ({plan.peak_bytes / got['peak']:.3f})")
+    assert got["peak"] <= plan.peak_bytes <= 1.10 * got["peak"]

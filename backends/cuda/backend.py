@@ -33,7 +33,14 @@ class CUDABackend(Backend):
                                 # torch's caching allocator: max_memory_reserved was 1.13-1.44 x
                                 # max_memory_allocated over 5 models on an H200 (torch 2.11,
                                 # issue 34); planned to the worst of them until measured here.
-                                allocator_headroom=0.45)
+                                allocator_headroom=0.45,
+                                # NCCL's work objects keep their tensors until the watchdog
+                                # thread retires them.
+                                collective_tensors_linger=True,
+                                # cuBLAS's workspaces, held from the first matmul on: the H100
+                                # run held 64 MiB more than the same step on the host
+                                # (benchmarks/README.md, the planner's GPU table).
+                                library_workspace_bytes=64 << 20)
 
     @override
     @classmethod

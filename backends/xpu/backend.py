@@ -33,6 +33,7 @@ class XPUBackend(Backend):
     # allocator headroom as the cuda backend's.
     capabilities = Capabilities(has_streams=True, async_collectives=True,
                                 supports_storage_resize=True, shard_alignment=1,
+                                collective_tensors_linger=True,  # torch's process-group works
                                 allocator_headroom=0.45)
     # Everything learnt about the machine comes from here; tests put a stand-in in its place.
     runtime: XpuRuntime = XpuRuntime()

@@ -207,7 +207,7 @@ def _ranks_per_node(world: int, nodes: int | None) -> int:
 def step_plan(static: Plan, timeline: Timeline, target: Target, batch: int, seq: int | None,
               activation_checkpointing: bool) -> Plan:
     """`static` with the peak of the rehearsed step at `batch` included."""
-    return with_step(static, timeline.peak(batch), target.capabilities, batch, seq,
+    return with_step(static, timeline, target.capabilities, batch, seq,
                      activation_checkpointing)
 
 

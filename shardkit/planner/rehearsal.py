@@ -55,6 +55,7 @@ class RehearsalBackend(Backend):
             target, torch_process_group=False, holds_values=False)
         self.world_size = world_size
         self.tracker: LiveBytes | None = None
+        self.largest_reduction = 0  # bytes of the largest tensor one reduction took
 
     @classmethod
     @override
@@ -164,14 +165,20 @@ class RehearsalBackend(Backend):
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                               op: str = "sum", async_op: bool = False, *,
                               factor: float | None = None) -> Work:
-        """Done at once."""
+        """Done at once; the input's size is noted (a library may hold it a while longer)."""
+        self._reduced(input)
         return CompletedWork()
 
     @override
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = "sum",
                    async_op: bool = False, *, factor: float | None = None) -> Work:
-        """Done at once."""
+        """Done at once; the tensor's size is noted."""
+        self._reduced(tensor)
         return CompletedWork()
+
+    def _reduced(self, tensor: torch.Tensor) -> None:
+        self.largest_reduction = max(self.largest_reduction,
+                                     tensor.numel() * tensor.element_size())
 
     @override
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Work:
@@ -240,7 +247,10 @@ def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
             tracker.begin_window()
             _train_step(twin, optimizer, args, kwargs, zero_grad=False)
             host = _host_storages(twin, optimizer) if setup.shard_kwargs.get("cpu_offload") else set()
-            record = StepRecord(batch, tracker.window_events(leave_out=host))
+            # A library that releases a finished collective's tensors late (Capabilities.
+            # collective_tensors_linger) may hold the largest one into any moment of the step.
+            linger = backend.largest_reduction if setup.target.collective_tensors_linger else 0
+            record = StepRecord(batch, tracker.window_events(leave_out=host), linger)
             comm = comm_stats(twin)
             optimizer.zero_grad()
         del twin, optimizer  # the rehearsal's model is freed here, with its engine state

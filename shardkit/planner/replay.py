@@ -25,6 +25,7 @@ class StepRecord:
 
     batch: int
     events: tuple[tuple, ...]
+    allowance: int = 0  # bytes that may be live at any moment besides (a lingering collective's)
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,13 @@ class Timeline:
     base: tuple[int, ...]
     per_sample: tuple[int, ...]
     batches: tuple[int, ...]  # the batch sizes it was recorded at (one: valid there only)
+    allowance: int = 0  # StepRecord.allowance: added to every moment
 
     @classmethod
     def at(cls, record: StepRecord) -> Timeline:
         """The timeline of one recording: exact at its own batch size."""
         events, sizes = _numbered(record.events)
-        return cls(events, tuple(sizes), (0,) * len(sizes), (record.batch,))
+        return cls(events, tuple(sizes), (0,) * len(sizes), (record.batch,), record.allowance)
 
     @classmethod
     def between(cls, small: StepRecord, large: StepRecord) -> Timeline:
@@ -58,7 +60,9 @@ class Timeline:
                                     f"to {large.batch}: not proportional to the batch")
             per_sample.append((b - a) // span)
         base = [a - small.batch * s for a, s in zip(first, per_sample)]
-        return cls(events, tuple(base), tuple(per_sample), (small.batch, large.batch))
+        # What lingers is a gradient: the same at every batch.
+        return cls(events, tuple(base), tuple(per_sample), (small.batch, large.batch),
+                   max(small.allowance, large.allowance))
 
     def valid_at(self, batch: int) -> bool:
         """Whether this timeline gives exact sizes at `batch` (from its first batch on, or there)."""
@@ -73,8 +77,8 @@ class Timeline:
             fixed += sign * self.base[index]
             scaled += sign * self.per_sample[index]
             if kind == ALLOC:
-                points.append((fixed, scaled))
-        return points or [(0, 0)]
+                points.append((fixed + self.allowance, scaled))
+        return points or [(self.allowance, 0)]
 
     def peak(self, batch: int) -> int:
         """The step's high-water mark at `batch`."""

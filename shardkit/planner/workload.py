@@ -97,12 +97,14 @@ def planned_peak(rehearsed_peak: int, target: Capabilities) -> int:
             + math.ceil(target.peak_margin * rehearsed_peak))
 
 
-def with_step(static: Plan, rehearsed_peak: int, target: Capabilities, batch: int,
+def with_step(static: Plan, timeline: Timeline, target: Capabilities, batch: int,
               seq: int | None, activation_checkpointing: bool) -> Plan:
     """`static` (a plan without a batch) with the rehearsed step's peak at `batch`, and the
-    target's margin for what the rehearsal cannot see."""
-    peak = planned_peak(rehearsed_peak, target)
-    margin = peak - rehearsed_peak
+    target's margin for what the rehearsal cannot see (a lingering collective's tensor, the
+    libraries' workspaces, the declared share)."""
+    rehearsed = timeline.peak(batch)
+    peak = planned_peak(rehearsed, target)
+    margin = peak - rehearsed + timeline.allowance
     return dataclasses.replace(static, batch=batch, seq=seq,
                                step_bytes=max(peak - fixed_bytes(static), 0),
                                activation_checkpointing=bool(activation_checkpointing),
