@@ -95,7 +95,7 @@ class Capabilities:
     # the planner's peak errs high by this much and no more.
     peak_margin: float = 0.01
     # A finished collective's tensors may stay referenced by the library's own threads for a
-    # while after wait() returned (gloo's and NCCL's work objects): a gradient the engine let go
+    # while after wait() returned (torch's process-group work objects): a gradient the engine let go
     # can outlive its step. The planner then adds the largest tensor one reduction took.
     collective_tensors_linger: bool = False
     # Tensors hold values. False only for the planner's rehearsal (planner/rehearsal.py: the real

@@ -90,15 +90,23 @@ def test_attention_call_reads_what_decides_the_kernel():
     (LLAMA_TINY, "more"),  # fp32 grouped heads: CUDA's math path keeps the scores
 ], ids=["plain", "dropout", "grouped-heads"])
 def test_the_target_backends_attention_kernel_sets_the_planned_step(config, cuda_vs_cpu):
-    from shardkit_backends.cuda import CUDABackend
+    import dataclasses
+
+    from shardkit_backends.cpu import CPUBackend
+    from shardkit_backends.cuda.policy import sdpa_runs_fused
+
+    class CUDAAttentionOnCPU(CPUBackend):
+        """The CPU backend with CUDA's attention rule: the plans differ in attention alone."""
+
+        capabilities = dataclasses.replace(CPUBackend.capabilities, fused_attention=sdpa_runs_fused)
 
     make = transformers.AutoModelForCausalLM.from_config
     with torch.device("meta"):
         model = make(config)
     block = type(model.model.layers[0] if hasattr(model, "model") else model.transformer.h[0])
     steps = {name: shardkit.plan(model, world_size=2, auto_wrap_policy=transformer_layers({block}),
-                                 batch=4, seq=64, backend=backend).step_bytes
-             for name, backend in (("cpu", "cpu"), ("cuda", CUDABackend()))}
+                                 batch=4, seq=64, backend=backend, threads_per_rank=1).step_bytes
+             for name, backend in (("cpu", "cpu"), ("cuda", CUDAAttentionOnCPU()))}
     expected = {"equal": steps["cpu"], "less": None, "more": None}[cuda_vs_cpu]
     if expected is not None:
         assert steps["cuda"] == expected

@@ -73,8 +73,18 @@ def describe_backends() -> str:
 
 
 def backend_class(name: str) -> type[Backend]:
-    """The Backend class registered as `name`, whether or not it can run here (its declared
-    capabilities are static facts: the planner plans a GPU job from a laptop with them)."""
+    """The Backend class registered as `name` (or a "DEVICE+COLLECTIVES" pair's), whether or not
+    it can run here (its declared capabilities are static facts: the planner plans a GPU job
+    from a laptop with them)."""
+    if "+" in name:
+        from ..composed import composed_class
+
+        device_name, collectives_name = _pair_names(name)
+        try:
+            return composed_class(backend_class(device_name),
+                                  collective_side_class(collectives_name))
+        except ShardkitError as exc:
+            raise type(exc)(f"{name!r}: {exc}") from None
     state = plugin_state()
     cls = state.registry.get(name)
     if cls is None:
@@ -101,13 +111,19 @@ def collective_side_class(name: str) -> type[Backend]:
         "(a registered backend's name, or a collective library a backend declares)")
 
 
-def _composed_instance(spec: str) -> Backend:
-    from ..composed import ComposedBackend, compose
-
+def _pair_names(spec: str) -> tuple[str, str]:
+    """The two sides of a "DEVICE+COLLECTIVES" name."""
     device_name, _, collectives_name = (part.strip() for part in spec.partition("+"))
     if not device_name or not collectives_name or "+" in collectives_name:
         raise ShardkitError(f"backend {spec!r}: a pair is written 'DEVICE+COLLECTIVES' with one "
                             "'+', e.g. 'cuda+gloo' (CUDA tensors, gloo's collectives)")
+    return device_name, collectives_name
+
+
+def _composed_instance(spec: str) -> Backend:
+    from ..composed import ComposedBackend, compose
+
+    device_name, collectives_name = _pair_names(spec)
     try:
         device = _instance(device_name)
         collectives = _instance(collective_side_class(collectives_name).name)

@@ -189,7 +189,10 @@ class FusedAttention(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         """Call the fused attention op in place of the math fallback meta would take."""
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention or not self.runs_fused(attention_call(args, kwargs)):
+        if (func is not F.scaled_dot_product_attention or args[0].dim() != 4
+                or not self.runs_fused(attention_call(args, kwargs))):
+            # torch's fused kernels take (batch, heads, seq, dim) only; other shapes take the
+            # math path on every device.
             return func(*args, **kwargs)
         return _fused_attention(*args, **kwargs)
 
