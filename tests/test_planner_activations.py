@@ -175,13 +175,14 @@ def test_predicted_peak_matches_a_measured_two_rank_step(name, batch, ac):
         model = make()
     plan = shardkit.plan(model, world_size=2, auto_wrap_policy=transformer_layers({block}),
                          optimizer="adamw", batch=batch, seq=seq, activation_checkpointing=ac,
-                         backend="cpu")  # the measured run's backend: its direct collectives
+                         backend="cpu",  # the measured run's backend: its direct collectives
+                         threads_per_rank=1)
     for got in measured:
         print(f"{name} batch {batch} seq {seq} ac {ac}: predicted {plan.peak_bytes / 2**20:.1f} "
               f"MiB, measured {got['peak'] / 2**20:.1f} MiB (held when the step began "
               f"{got['held_before'] / 2**20:.1f}; planned persistent without gradients "
               f"{(plan.peak_bytes - plan.step_bytes) / 2**20:.1f})")
-        assert plan.peak_bytes == pytest.approx(got["peak"], rel=0.10)  # the issue's bound
+        assert got["peak"] <= plan.peak_bytes <= 1.10 * got["peak"]  # issue 34's upper bound
 
 
 @pytest.mark.slow
@@ -197,8 +198,10 @@ def test_other_strategies_peaks_match_a_measured_two_rank_step(strategy):
     with torch.device("meta"):
         model = make()
     plan = shardkit.plan(model, world_size=2, strategy=strategy, optimizer="adamw", batch=batch,
-                         seq=seq, auto_wrap_policy=transformer_layers({block}), backend="cpu")
+                         seq=seq, auto_wrap_policy=transformer_layers({block}), backend="cpu",
+                         threads_per_rank=1)
     for got in measured:
         print(f"{strategy}: predicted {plan.peak_bytes / 2**20:.1f} MiB, measured "
               f"{got['peak'] / 2**20:.1f} MiB")
-        assert plan.peak_bytes == pytest.approx(got["peak"], rel=0.05)  # NO_SHARD was 9.3 % low before its gathers were counted
+        # NO_SHARD was 9.3 % low before its gathers were counted; the plan is an upper bound now.
+        assert got["peak"] <= plan.peak_bytes <= 1.10 * got["peak"]

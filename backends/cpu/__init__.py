@@ -31,9 +31,9 @@ class CPUBackend(Backend):
     capabilities = Capabilities(has_streams=False, async_collectives=True,
                                 supports_storage_resize=True, shard_alignment=1,
                                 direct_collective_numel=1 << 20,
-                                # gloo's worker thread released a finished all-reduce's
-                                # 7.8 MiB gradient after the next step began, 1 run in 8
-                                # (issue 34): the planner counts one such tensor.
+                                # gloo's worker thread let a finished reduction's buffer go
+                                # late: up to 3.6 MiB more at the next step's peak (NO_SHARD,
+                                # bf16; issue 34). The planner counts the largest one.
                                 collective_tensors_linger=True,
                                 default_timeout=datetime.timedelta(seconds=30))
 

@@ -55,7 +55,7 @@ class RehearsalBackend(Backend):
             target, torch_process_group=False, holds_values=False)
         self.world_size = world_size
         self.tracker: LiveBytes | None = None
-        self.largest_reduction = 0  # bytes of the largest tensor one reduction took
+        self._reduced_inputs: dict[int, int] = {}  # storage -> bytes, of reductions' inputs
 
     @classmethod
     @override
@@ -130,6 +130,7 @@ class RehearsalBackend(Backend):
     def free_storage(self, tensor: torch.Tensor) -> None:
         """Free the storage in place and tell the tracker (a resize is no op it sees)."""
         storage = tensor.untyped_storage()
+        self._reduced_inputs.pop(storage._cdata, None)
         if storage.size() != 0:
             storage.resize_(0)
             if self.tracker is not None:
@@ -177,8 +178,13 @@ class RehearsalBackend(Backend):
         return CompletedWork()
 
     def _reduced(self, tensor: torch.Tensor) -> None:
-        self.largest_reduction = max(self.largest_reduction,
-                                     tensor.numel() * tensor.element_size())
+        self._reduced_inputs[tensor.untyped_storage()._cdata] = tensor.numel() * tensor.element_size()
+
+    @property
+    def largest_reduction(self) -> int:
+        """The largest input a reduction took that the engine did not free in place (a spent
+        gradient it frees holds no memory however long a library keeps the tensor)."""
+        return max(self._reduced_inputs.values(), default=0)
 
     @override
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Work:
