@@ -95,7 +95,8 @@ def family(name: str) -> Family:
 
 
 def measured_family_peak(rank: int, name: str, batch: int, seq: int, ac: bool, bf16: bool,
-                         strategy: str = "FULL_SHARD", cpu_offload: bool = False) -> dict:
+                         strategy: str = "FULL_SHARD", cpu_offload: bool = False,
+                         hybrid_group_size: int | None = None) -> dict:
     """This rank's CPU allocator high-water mark over the second training step (forward,
     backward, AdamW's step) of the family's model (bf16: MixedPrecision(param_dtype=bfloat16)),
     from torch's profiler, and what was held as that step began. Under cpu_offload the device
@@ -113,11 +114,12 @@ def measured_family_peak(rank: int, name: str, batch: int, seq: int, ac: bool, b
     mp = shardkit.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     device = shardkit.current_context().device
     if device.type != "cpu":
-        return _device_peak(fam, batch, seq, ac, mp, strategy, cpu_offload)
+        return _device_peak(fam, batch, seq, ac, mp, strategy, cpu_offload, hybrid_group_size)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(0)
         model = shardkit.shard(fam.make(), auto_wrap_policy=transformer_layers(set(fam.blocks)),
-                               mixed_precision=mp, strategy=strategy, cpu_offload=cpu_offload)
+                               mixed_precision=mp, strategy=strategy, cpu_offload=cpu_offload,
+                               hybrid_group_size=hybrid_group_size)
         if ac:
             checkpoint_layers(model, fam.blocks)
         opt = torch.optim.AdamW(model.parameters())
@@ -135,7 +137,7 @@ def measured_family_peak(rank: int, name: str, batch: int, seq: int, ac: bool, b
 
 
 def _device_peak(fam: Family, batch: int, seq: int, ac: bool, mp: object, strategy: str,
-                 cpu_offload: bool) -> dict:
+                 cpu_offload: bool, hybrid_group_size: int | None) -> dict:
     """An accelerator's max_memory_allocated over the second step (and max_memory_reserved)."""
     import shardkit
     from shardkit.wrap import checkpoint_layers, transformer_layers
@@ -143,7 +145,8 @@ def _device_peak(fam: Family, batch: int, seq: int, ac: bool, mp: object, strate
     ctx = shardkit.current_context()
     torch.manual_seed(0)
     model = shardkit.shard(fam.make(), auto_wrap_policy=transformer_layers(set(fam.blocks)),
-                           mixed_precision=mp, strategy=strategy, cpu_offload=cpu_offload)
+                           mixed_precision=mp, strategy=strategy, cpu_offload=cpu_offload,
+                           hybrid_group_size=hybrid_group_size)
     if ac:
         checkpoint_layers(model, fam.blocks)
     opt = torch.optim.AdamW(model.parameters())

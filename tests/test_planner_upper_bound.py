@@ -62,8 +62,9 @@ def _planned(name, batch, seq, ac, bf16, strategy, world):
 def _check(case):
     name, batch, seq, ac, bf16, strategy, world = case
     plan = _planned(*case)
+    hybrid = 2 if strategy == "HYBRID_SHARD" else None
     measured = shardkit.spawn(measured_family_peak, world, name, batch, seq, ac, bf16, strategy,
-                              threads_per_rank=1)
+                              False, hybrid, threads_per_rank=1)
     for rank, got in enumerate(measured):
         ratio = plan.peak_bytes / got["peak"]
         print(f"{case}: rank {rank} planned {plan.peak_bytes / 2**20:.2f} MiB (margin "

@@ -85,6 +85,11 @@ class LiveBytes(TorchDispatchMode):
                 self._refs[key] = weakref.ref(storage, functools.partial(self._died, key))
             self._allocate(key, storage.nbytes())
 
+    def allocation_of(self, key: int) -> int | None:
+        """The number of the allocation the storage `key` holds now, None when it holds none."""
+        entry = self._alive.get(key)
+        return None if entry is None else entry[1]
+
     def begin_window(self) -> None:
         """Start recording events; what is alive now opens the window as its first allocations."""
         self._window, self._events = {}, []

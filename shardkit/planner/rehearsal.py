@@ -55,7 +55,8 @@ class RehearsalBackend(Backend):
             target, torch_process_group=False, holds_values=False)
         self.world_size = world_size
         self.tracker: LiveBytes | None = None
-        self._reduced_inputs: dict[int, int] = {}  # storage -> bytes, of reductions' inputs
+        # The storages reductions took: storage -> (bytes, the tracker's allocation number).
+        self._reduced_inputs: dict[int, tuple[int, int | None]] = {}
 
     @classmethod
     @override
@@ -178,13 +179,18 @@ class RehearsalBackend(Backend):
         return CompletedWork()
 
     def _reduced(self, tensor: torch.Tensor) -> None:
-        self._reduced_inputs[tensor.untyped_storage()._cdata] = tensor.numel() * tensor.element_size()
+        key = tensor.untyped_storage()._cdata
+        number = self.tracker.allocation_of(key) if self.tracker is not None else None
+        self._reduced_inputs[key] = (tensor.numel() * tensor.element_size(), number)
 
-    @property
-    def largest_reduction(self) -> int:
-        """The largest input a reduction took that the engine did not free in place (a spent
-        gradient it frees holds no memory however long a library keeps the tensor)."""
-        return max(self._reduced_inputs.values(), default=0)
+    def largest_let_go(self) -> int:
+        """The largest input of a reduction that the engine let go of (its last reference
+        dropped, not freed in place and not kept in its buffer pool): what a library thread that
+        releases tensors late could still hold."""
+        assert self.tracker is not None
+        return max((nbytes for key, (nbytes, number) in self._reduced_inputs.items()
+                    if number is not None and self.tracker.allocation_of(key) != number),
+                   default=0)
 
     @override
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Work:
@@ -255,7 +261,7 @@ def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
             host = _host_storages(twin, optimizer) if setup.shard_kwargs.get("cpu_offload") else set()
             # A library that releases a finished collective's tensors late (Capabilities.
             # collective_tensors_linger) may hold the largest one into any moment of the step.
-            linger = backend.largest_reduction if setup.target.collective_tensors_linger else 0
+            linger = backend.largest_let_go() if setup.target.collective_tensors_linger else 0
             record = StepRecord(batch, tracker.window_events(leave_out=host), linger)
             comm = comm_stats(twin)
             optimizer.zero_grad()

@@ -275,12 +275,6 @@ def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backen
     out = reduced_row(pending, replica, backend, stats)
     if pool is not None and pending.pooled:
         pool.give(pending.input)
-    elif not pending.pooled and not backend.capabilities.has_streams \
-            and backend.capabilities.supports_storage_resize:
-        # A gradient reduced straight from its storage is spent: free it in place now. A
-        # collective library may keep the tensor referenced from its own thread a while longer
-        # (gloo once held a 7.8 MiB gradient into the next step's peak); it then holds no memory.
-        backend.free_storage(pending.input)
     params = pending.params
     # Cast (and move, with cpu_offload) the whole row once, then hand out views of it.
     masters = {(p.local.dtype, p.local.device) for p in params}
