@@ -31,9 +31,11 @@ class CPUBackend(Backend):
     capabilities = Capabilities(has_streams=False, async_collectives=True,
                                 supports_storage_resize=True, shard_alignment=1,
                                 direct_collective_numel=1 << 20,
-                                # gloo's worker thread let a finished reduction's buffer go
-                                # late: up to 3.6 MiB more at the next step's peak (NO_SHARD,
-                                # bf16; issue 34). The planner counts the largest one.
+                                # gloo's idle worker thread keeps its last collective's tensors
+                                # until it gets the next one: an all-reduced gradient row
+                                # outlived zero_grad into the next step's peak (NO_SHARD,
+                                # up to 3.4 %; issue 34). Buffers the engine drops itself are
+                                # freed in place; the planner counts the largest row.
                                 collective_tensors_linger=True,
                                 default_timeout=datetime.timedelta(seconds=30))
 

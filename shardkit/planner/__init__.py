@@ -3,11 +3,14 @@
 Layout: build (`plan()`: units from the engine's plan_units, padding from its shard_layout, bytes
 recorded into its CommStats), result (the frozen `Plan` / `UnitRow` and their text table and
 JSON form), optimizers (state tensors per parameter), models (building a model on the meta
-device from a `module:factory` or a transformers config), activations (one step recorded on
-meta), replay (that recording replayed per configuration and batch), workload (recordings kept
-for reuse), fit (the largest batch / fewest ranks in a memory budget), cli (`shardkit plan`).
+device from a `module:factory` or a transformers config), rehearsal (the real engine and
+optimizer training two steps on a meta copy, under a backend that moves no bytes), activations
+(the tracker that counts every storage there, attention as the target runs it), replay (a
+rehearsed step as a timeline affine in the batch), workload (rehearsals kept per configuration),
+fit (the largest batch / fewest ranks in a memory budget), measure (`--measure`: the planned
+step trained here, planned vs measured), nodes (bytes across nodes), steptime, scale and
+compute_times (step time at scale), cli (`shardkit plan`).
 """
-
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 

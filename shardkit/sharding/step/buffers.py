@@ -9,15 +9,23 @@ caching allocator already reuses memory, so the pool stays off there.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
 class BufferPool:
-    """A handful of reusable 1-D buffers per (dtype, device)."""
+    """A handful of reusable 1-D buffers per (dtype, device).
 
-    def __init__(self, enabled: bool, max_buffers: int) -> None:
+    `release` (Backend.free_storage where storage resizes) frees a buffer the pool drops in
+    place: a collective library's idle worker thread may still reference the tensor of its last
+    collective (gloo's held one into the next step's peak), and must not hold its memory."""
+
+    def __init__(self, enabled: bool, max_buffers: int,
+                 release: Callable[[torch.Tensor], None] | None = None) -> None:
         self.enabled = enabled
         self.max_buffers = max_buffers
+        self.release = release
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -38,13 +46,21 @@ class BufferPool:
             return
         base = buffer._base if buffer._base is not None else buffer
         free = self._free.setdefault((base.dtype, base.device), [])
-        if any(b.data_ptr() == base.data_ptr() for b in free):
+        # The same buffer, not the same address: tensors without memory (meta) all have 0 there.
+        if any(b is base for b in free):
             return
         free.append(base)
         if len(free) > self.max_buffers:
             # Keep the large ones: fresh small buffers are cheap, fresh large ones fault in slowly.
-            free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
+            self._drop(free.pop(min(range(len(free)), key=lambda i: free[i].numel())))
 
     def clear(self) -> None:
         """Drop every kept buffer."""
+        for buffers in self._free.values():
+            for buffer in buffers:
+                self._drop(buffer)
         self._free.clear()
+
+    def _drop(self, buffer: torch.Tensor) -> None:
+        if self.release is not None:
+            self.release(buffer)

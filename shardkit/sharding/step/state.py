@@ -36,7 +36,9 @@ class ShardState:
         self.gather_stream = backend.new_stream(device)
         self.reduce_stream = backend.new_stream(device)
         # Enough for the gathers in flight (prefetch + the one in use) and one reduction input.
-        self.pool = BufferPool(enabled=not caps.has_streams, max_buffers=config.prefetch + 2)
+        self.pool = BufferPool(enabled=not caps.has_streams, max_buffers=config.prefetch + 2,
+                               release=backend.free_storage if caps.supports_storage_resize
+                               else None)
         self.units: list[ShardUnit] = []  # root unit last
         self.root_unit: ShardUnit | None = None
         self.forward_order: list[ShardUnit] = []  # pre-forward order seen in the first iteration
