@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -242,6 +243,12 @@ def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
     tracker = LiveBytes(workspace=setup.target.kernel_workspace, threads=setup.threads)
     backend.tracker = tracker
     runs_fused = setup.target.fused_attention
+    # Python's cycle collector would free cyclic garbage at moments that depend on everything
+    # allocated before: the same rehearsal would record different events. Off for the step,
+    # cyclic garbage lives to its end (counted, so the plan errs high, never low).
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
     try:
         with acting_context(context), _quiet(), tracker, FusedAttention(runs_fused), \
                 traceable_on_meta():
@@ -276,6 +283,9 @@ def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
             "without batch= (the peak then leaves activations out), or pass "
             "example_inputs=fn(batch, seq) returning (args, kwargs) that the forward accepts"
         ) from exc
+    finally:
+        if collecting:
+            gc.enable()
     return Rehearsal(record, comm, tracker.largest_workspace)
 
 

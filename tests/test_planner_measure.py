@@ -1,0 +1,48 @@
+"""`shardkit plan ... --measure`: the planned step trained here, planned vs measured per rank."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from shardkit.cli.main import main
+from shardkit.planner.measure import compare
+
+pytest.importorskip("transformers")
+
+GPT2_TINY = ["--hf-config", "gpt2", "--set", "n_layer=2", "--set", "n_embd=128", "--set",
+             "n_head=4", "--set", "vocab_size=4000"]
+
+
+@pytest.mark.slow
+def test_measure_trains_the_plan_and_the_plan_holds():
+    out = subprocess.run([sys.executable, "-m", "shardkit", "plan", *GPT2_TINY, "--world-size",
+                          "2", "--batch", "2", "--seq", "64", "--optimizer", "adamw", "--ac",
+                          "--backend", "cpu", "--threads-per-rank", "1", "--measure"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = re.findall(r"rank (\d): planned ([\d.]+) (\w+), measured ([\d.]+) (\w+) "
+                      r"\(planned / measured ([\d.]+)\)", out.stdout)
+    assert [r[0] for r in rows] == ["0", "1"], out.stdout
+    for *_, ratio in rows:
+        assert 1.0 <= float(ratio) <= 1.10, out.stdout  # the upper bound, measured here
+    assert "the plan held on every rank" in out.stdout
+
+
+def test_the_report_says_when_a_rank_went_over():
+    text, held = compare(100 << 20, [{"peak": 90 << 20}, {"peak": 101 << 20}], "cpu")
+    assert not held and "EXCEEDED" in text and "rank 1: planned 100 MiB, measured 101 MiB" in text
+    assert compare(100 << 20, [{"peak": 100 << 20}], "cpu")[1]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--measure checks one plan with its step: give --batch"),
+    (["--batch", "2", "--seq", "8", "--device-memory", "1GiB"], "without --device-memory"),
+    (["--batch", "2", "--seq", "8", "--cpu-offload"], "needs a device apart from the host"),
+])
+def test_measure_refuses_what_it_cannot_check(extra, message, capsys):
+    assert main(["plan", *GPT2_TINY, "--world-size", "2", "--measure", *extra]) != 0
+    assert message in capsys.readouterr().err
