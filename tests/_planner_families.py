@@ -97,52 +97,50 @@ def family(name: str) -> Family:
 def measured_family_peak(rank: int, name: str, batch: int, seq: int, ac: bool, bf16: bool,
                          strategy: str = "FULL_SHARD", cpu_offload: bool = False,
                          hybrid_group_size: int | None = None) -> dict:
-    """This rank's CPU allocator high-water mark over the second training step (forward,
-    backward, AdamW's step) of the family's model (bf16: MixedPrecision(param_dtype=bfloat16)),
-    from torch's profiler, and what was held as that step began. Under cpu_offload the device
-    is the host too: the shards, gradients and optimizer state are subtracted (counted from
-    the tensors)."""
+    """This rank's allocator high-water mark over the second training step (forward, backward,
+    AdamW's step) of the family's model (bf16: MixedPrecision(param_dtype=bfloat16)), and what
+    was held as that step began: on the host torch's CPU allocator total from the profiler
+    (under cpu_offload the device is the host too: the shards, gradients and optimizer state
+    are subtracted, counted from the tensors), on an accelerator max_memory_allocated."""
+    import contextlib
+
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
     import shardkit
-    from shardkit.wrap import checkpoint_layers, transformer_layers
 
     from _planner_act_workers import WINDOW, peak_in_window
 
-    fam = family(name)
-    mp = shardkit.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
-    device = shardkit.current_context().device
-    if device.type != "cpu":
-        return _device_peak(fam, batch, seq, ac, mp, strategy, cpu_offload, hybrid_group_size)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        torch.manual_seed(0)
-        model = shardkit.shard(fam.make(), auto_wrap_policy=transformer_layers(set(fam.blocks)),
-                               mixed_precision=mp, strategy=strategy, cpu_offload=cpu_offload,
-                               hybrid_group_size=hybrid_group_size)
-        if ac:
-            checkpoint_layers(model, fam.blocks)
-        opt = torch.optim.AdamW(model.parameters())
-        args, kwargs = fam.inputs(batch, seq, "cpu")
-        model(*args, **kwargs).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        with record_function(WINDOW):
+    ctx = shardkit.current_context()
+    on_host = ctx.device.type == "cpu"
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if on_host else None
+    with prof if prof is not None else contextlib.nullcontext():
+        model, opt, args, kwargs = _trained_once(family(name), batch, seq, ac, bf16, strategy,
+                                                 cpu_offload, hybrid_group_size, ctx.device)
+        ctx.backend.synchronize(ctx.device)
+        held = ctx.backend.memory_stats(ctx.device)["allocated"]
+        ctx.backend.reset_peak_memory(ctx.device)
+        with record_function(WINDOW) if on_host else contextlib.nullcontext():
             model(*args, **kwargs).loss.backward()
             opt.step()
-        host = _host_bytes(model, opt) if cpu_offload else 0
+        ctx.backend.synchronize(ctx.device)
+        host = _host_bytes(model, opt) if cpu_offload and on_host else 0
         opt.zero_grad()
-    held_before, peak = peak_in_window(prof)
-    return {"held_before": held_before - host, "peak": peak - host, "host": host}
+    if on_host:
+        held, peak = peak_in_window(prof)
+        return {"held_before": held - host, "peak": peak - host, "host": host}
+    module = getattr(torch, ctx.device.type)
+    return {"held_before": held, "peak": ctx.backend.memory_stats(ctx.device)["peak"],
+            "reserved": module.max_memory_reserved(ctx.device), "host": 0}
 
 
-def _device_peak(fam: Family, batch: int, seq: int, ac: bool, mp: object, strategy: str,
-                 cpu_offload: bool, hybrid_group_size: int | None) -> dict:
-    """An accelerator's max_memory_allocated over the second step (and max_memory_reserved)."""
+def _trained_once(fam: Family, batch: int, seq: int, ac: bool, bf16: bool, strategy: str,
+                  cpu_offload: bool, hybrid_group_size: int | None, device: torch.device):
+    """The family's model sharded, with AdamW and its inputs, after one training step."""
     import shardkit
     from shardkit.wrap import checkpoint_layers, transformer_layers
 
-    ctx = shardkit.current_context()
+    mp = shardkit.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     torch.manual_seed(0)
     model = shardkit.shard(fam.make(), auto_wrap_policy=transformer_layers(set(fam.blocks)),
                            mixed_precision=mp, strategy=strategy, cpu_offload=cpu_offload,
@@ -150,19 +148,11 @@ def _device_peak(fam: Family, batch: int, seq: int, ac: bool, mp: object, strate
     if ac:
         checkpoint_layers(model, fam.blocks)
     opt = torch.optim.AdamW(model.parameters())
-    args, kwargs = fam.inputs(batch, seq, ctx.device)
+    args, kwargs = fam.inputs(batch, seq, device)
     model(*args, **kwargs).loss.backward()
     opt.step()
     opt.zero_grad()
-    ctx.backend.synchronize(ctx.device)
-    held = ctx.backend.memory_stats(ctx.device)["allocated"]
-    ctx.backend.reset_peak_memory(ctx.device)
-    model(*args, **kwargs).loss.backward()
-    opt.step()
-    ctx.backend.synchronize(ctx.device)
-    module = getattr(torch, ctx.device.type)
-    return {"held_before": held, "peak": ctx.backend.memory_stats(ctx.device)["peak"],
-            "reserved": module.max_memory_reserved(ctx.device), "host": 0}
+    return model, opt, args, kwargs
 
 
 def _host_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:

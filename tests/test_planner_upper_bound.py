@@ -20,7 +20,7 @@ from shardkit.wrap import transformer_layers
 
 pytest.importorskip("transformers")
 
-from _planner_families import family, measured_family_peak  # noqa: E402
+from _planner_families import family, measured_family_peak
 
 pytestmark = pytest.mark.slow  # multi-process
 

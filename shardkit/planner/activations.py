@@ -97,7 +97,7 @@ class LiveBytes(TorchDispatchMode):
             self._open(key, nbytes, number)
         self.peak = self.live
 
-    def window_events(self, leave_out: set[int] = frozenset()) -> tuple[tuple, ...]:
+    def window_events(self, leave_out: set[int] | frozenset[int] = frozenset()) -> tuple[tuple, ...]:
         """The window's events, without the allocations of storages in `leave_out` that are
         still alive (the host's, under cpu_offload)."""
         assert self._window is not None
@@ -166,13 +166,17 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+# torch's grouped matrix multiply, where this torch has one.
+_GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
+
+
 def _meta_kernel_gap(func, args: tuple, kwargs: dict) -> torch.Tensor | None:
     """An op's result where torch's meta kernel is stricter than the device's own, else None.
 
     The meta kernel of `_grouped_mm` (mixture-of-experts layers) accepts only bfloat16, as the
     CUDA kernel does; the CPU kernel takes float32 too. The output's shape does not depend on
     the dtype: ask the meta kernel with bfloat16 stand-ins, answer in the inputs' dtype."""
-    if func is not torch.ops.aten._grouped_mm.default:
+    if func is not _GROUPED_MM or func is None:
         return None
     first, second = args[0], args[1]
     if first.device.type != "meta" or first.dtype == torch.bfloat16:

@@ -52,7 +52,7 @@ def plan_target(backend: object, shard_alignment: int | None) -> Target:
     from ..backend import Backend
     from ..job.selection import backend_class
 
-    cls = type(backend) if isinstance(backend, Backend) else backend_class(backend)
+    cls = type(backend) if isinstance(backend, Backend) else backend_class(str(backend))
     return Target(caps, cls.device_type)
 
 

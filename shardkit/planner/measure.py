@@ -69,6 +69,7 @@ def measured_peak(rank: int, spec: MeasureSpec) -> dict[str, int]:
     from .models import wrap_by_class_names
 
     ctx = shardkit.current_context()
+    assert ctx is not None  # spawn() initialised this rank
     on_host = ctx.device.type == "cpu"
     profiler = _host_profiler() if on_host else None
     with profiler if profiler is not None else contextlib.nullcontext():

@@ -29,7 +29,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..backend import Backend
-from ..capabilities import AttentionCall, Capabilities
+from ..capabilities import Capabilities
 from ..errors import ShardkitError
 from ..handles import CompletedWork, Group, NullEvent, NullStream, Work
 from ..launch_env import LaunchEnv
