@@ -61,14 +61,15 @@ class MeasureSpec:
 
 def measured_peak(rank: int, spec: MeasureSpec) -> dict[str, int]:
     """This rank's allocator high-water mark over its second training step, in bytes."""
-    import shardkit
+    from ..job.runtime import current_context
+    from ..sharding.api import shard
     from ..sharding.surface.recipes import checkpoint_layers
     from .activations import model_loss, token_inputs
     from .rehearsal import OPTIMIZERS
 
     from .models import wrap_by_class_names
 
-    ctx = shardkit.current_context()
+    ctx = current_context()
     assert ctx is not None  # spawn() initialised this rank
     on_host = ctx.device.type == "cpu"
     profiler = _host_profiler() if on_host else None
@@ -78,7 +79,7 @@ def measured_peak(rank: int, spec: MeasureSpec) -> dict[str, int]:
         policy = wrap_by_class_names(model, spec.source.wrap_names)
         layers = tuple({type(m) for m in model.modules()
                         if type(m).__name__ in spec.source.wrap_names})
-        model = shardkit.shard(model, auto_wrap_policy=policy, **spec.shard_kwargs)
+        model = shard(model, auto_wrap_policy=policy, **spec.shard_kwargs)
         if spec.activation_checkpointing and layers:
             checkpoint_layers(model, layers)
         optimizer = OPTIMIZERS[spec.optimizer.lower()](
