@@ -56,8 +56,9 @@ class RehearsalBackend(Backend):
             target, torch_process_group=False, holds_values=False)
         self.world_size = world_size
         self.tracker: LiveBytes | None = None
-        # The storages reductions took: storage -> (bytes, the tracker's allocation number).
-        self._reduced_inputs: dict[int, tuple[int, int | None]] = {}
+        # The inputs reductions took: the tracker's allocation number -> (bytes, storage).
+        # Keyed by allocation, not address: a freed storage's address is reused.
+        self._reduced_inputs: dict[int, tuple[int, int]] = {}
 
     @classmethod
     @override
@@ -132,7 +133,9 @@ class RehearsalBackend(Backend):
     def free_storage(self, tensor: torch.Tensor) -> None:
         """Free the storage in place and tell the tracker (a resize is no op it sees)."""
         storage = tensor.untyped_storage()
-        self._reduced_inputs.pop(storage._cdata, None)
+        if self.tracker is not None:
+            # Freed in place: a library that holds the tensor longer holds no memory.
+            self._reduced_inputs.pop(self.tracker.allocation_of(storage._cdata), None)
         if storage.size() != 0:
             storage.resize_(0)
             if self.tracker is not None:
@@ -182,16 +185,16 @@ class RehearsalBackend(Backend):
     def _reduced(self, tensor: torch.Tensor) -> None:
         key = tensor.untyped_storage()._cdata
         number = self.tracker.allocation_of(key) if self.tracker is not None else None
-        self._reduced_inputs[key] = (tensor.numel() * tensor.element_size(), number)
+        if number is not None:
+            self._reduced_inputs[number] = (tensor.numel() * tensor.element_size(), key)
 
     def largest_let_go(self) -> int:
         """The largest input of a reduction that the engine let go of (its last reference
         dropped, not freed in place and not kept in its buffer pool): what a library thread that
         releases tensors late could still hold."""
         assert self.tracker is not None
-        return max((nbytes for key, (nbytes, number) in self._reduced_inputs.items()
-                    if number is not None and self.tracker.allocation_of(key) != number),
-                   default=0)
+        return max((nbytes for number, (nbytes, key) in self._reduced_inputs.items()
+                    if self.tracker.allocation_of(key) != number), default=0)
 
     @override
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Work:
@@ -247,7 +250,6 @@ def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
     # allocated before: the same rehearsal would record different events. Off for the step,
     # cyclic garbage lives to its end (counted, so the plan errs high, never low).
     collecting = gc.isenabled()
-    gc.collect()
     gc.disable()
     try:
         with acting_context(context), _quiet(), tracker, FusedAttention(runs_fused), \
