@@ -164,3 +164,31 @@ def _host_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # DTensors
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
+
+
+def edge_runs(rank: int, name: str, batches: tuple[int, ...], seq: int, budget: int) -> list[dict]:
+    """On a GPU capped to `budget` bytes: for each batch, whether two training steps ran out of
+    memory, and the most the caching allocator reserved."""
+    import shardkit
+
+    ctx = shardkit.current_context()
+    module = getattr(torch, ctx.device.type)
+    total = module.get_device_properties(ctx.device).total_memory
+    module.set_per_process_memory_fraction(budget / total, ctx.device)
+    out = []
+    for batch in batches:
+        module.empty_cache()
+        module.reset_peak_memory_stats(ctx.device)
+        try:
+            model, opt, args, kwargs = _trained_once(family(name), batch, seq, False, False,
+                                                     "FULL_SHARD", False, None, ctx.device)
+            model(*args, **kwargs).loss.backward()
+            opt.step()
+            ctx.backend.synchronize(ctx.device)
+            oom = False
+        except module.OutOfMemoryError:
+            oom = True
+        model = opt = args = kwargs = None
+        out.append({"batch": batch, "oom": oom,
+                    "reserved": int(module.max_memory_reserved(ctx.device))})
+    return out

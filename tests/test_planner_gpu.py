@@ -11,7 +11,8 @@ from shardkit.wrap import transformer_layers
 pytest.importorskip("transformers")
 
 from _planner_act_workers import build, measured_device_peak
-from _planner_families import family, measured_family_peak
+from _planner_families import edge_runs, family, measured_family_peak
+from shardkit.planner import largest_batch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -79,3 +80,25 @@ def test_the_offloaded_plan_holds_on_the_gpu():
     print(f"cpu_offload: planned {plan.peak_bytes / 2**20:.1f} MiB, max_memory_allocated "
           f"{got['peak'] / 2**20:.1f} MiB ({plan.peak_bytes / got['peak']:.3f})")
     assert got["peak"] <= plan.peak_bytes <= 1.10 * got["peak"]
+
+
+@pytest.mark.parametrize("name, seq", [("qwen2", 1024), ("bert", 512)])
+def test_the_largest_planned_batch_runs_and_the_next_is_over(name, seq):
+    # Issue 34 item 3, on the device: the GPU capped to a budget (set_per_process_memory_fraction),
+    # the planner's largest batch for it (its declared allocator headroom kept free) trains
+    # without running out of memory; the next batch, which the plan rejects, either runs out or
+    # reserves more than the budget less the headroom (the plan's refusal was not wasted).
+    budget = 3 << 30
+    fam = family(name)
+    with torch.device("meta"):
+        model = fam.make()
+    fit = largest_batch(model, 1, budget, seq, auto_wrap_policy=transformer_layers(set(fam.blocks)),
+                        optimizer="adamw", backend="cuda",
+                        example_inputs=lambda b, s: fam.inputs(b, s, "meta"))
+    assert fit.batch >= 1, fit.summary()
+    runs, over = shardkit.spawn(edge_runs, 1, name, (fit.batch, fit.batch + 1), seq, budget,
+                                backend="cuda", threads_per_rank=1)[0]
+    print(f"{name}: largest planned batch {fit.batch} ({fit.summary()}); at it {runs}; "
+          f"at {fit.batch + 1}: {over}")
+    assert not runs["oom"], runs
+    assert over["oom"] or over["reserved"] > fit.usable_memory, over

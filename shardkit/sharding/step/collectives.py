@@ -275,10 +275,6 @@ def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backen
     out = reduced_row(pending, replica, backend, stats)
     if pool is not None and pending.pooled:
         pool.give(pending.input)
-    elif pool is not None and pool.release is not None and pool.enabled:
-        # A gradient reduced straight from its storage is spent: freed in place, like a buffer
-        # the pool drops (buffers.py says why).
-        pool.release(pending.input)
     params = pending.params
     # Cast (and move, with cpu_offload) the whole row once, then hand out views of it.
     masters = {(p.local.dtype, p.local.device) for p in params}
