@@ -64,3 +64,8 @@ class LlamaShaped(nn.Module):
 def llama2_7b_shape() -> LlamaShaped:
     """Llama-2-7B's parameter shapes (build it under torch.device("meta"))."""
     return LlamaShaped(**LLAMA2_7B)
+
+
+def tiny_lm() -> nn.Module:
+    """A two-layer Llama-shaped model that returns plain logits (no loss of its own)."""
+    return LlamaShaped(layers=2, hidden=64, intermediate=128, vocab=500)

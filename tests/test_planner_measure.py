@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,19 @@ def test_measure_trains_the_plan_and_the_plan_holds():
     assert [r[0] for r in rows] == ["0", "1"], out.stdout
     for *_, ratio in rows:
         assert 1.0 <= float(ratio) <= 1.10, out.stdout  # the upper bound, measured here
+    assert "the plan held on every rank" in out.stdout
+
+
+@pytest.mark.slow
+def test_measure_takes_a_factorys_model_that_returns_logits():
+    # A model without a loss of its own: the step's loss is cross-entropy over its logits, made
+    # on the device the ranks train on (it was made on meta, and the ranks failed).
+    out = subprocess.run([sys.executable, "-m", "shardkit", "plan", "_planner_models:tiny_lm",
+                          "--wrap", "LlamaShapedLayer", "--world-size", "2", "--batch", "2",
+                          "--seq", "32", "--backend", "cpu", "--threads-per-rank", "1",
+                          "--measure"], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent)
+    assert out.returncode == 0, out.stdout + out.stderr
     assert "the plan held on every rank" in out.stdout
 
 

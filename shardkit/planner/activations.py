@@ -294,4 +294,4 @@ def model_loss(output: Any) -> torch.Tensor:
                             f"({type(output).__name__}); HINT: pass example_inputs= and a model "
                             "whose forward returns a tensor or an object with .loss")
     flat = logits.reshape(-1, logits.shape[-1]).float()
-    return F.cross_entropy(flat, torch.zeros(flat.shape[0], dtype=torch.long, device="meta"))
+    return F.cross_entropy(flat, torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device))
