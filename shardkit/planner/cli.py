@@ -102,7 +102,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Build the model on the meta device (no memory, no download) and print "
                     "what shardkit.shard() would make of it: units, padded shards, persistent "
                     "bytes per rank, the largest gathered unit, the peak (with --batch/--seq: "
-                    "activations included, simulated on meta) and the bytes each rank sends per "
+                    "activations included: the engine rehearsed on meta) and the bytes each rank sends per "
                     "step.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("target", nargs="?", metavar="MODULE:FACTORY",

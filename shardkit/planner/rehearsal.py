@@ -133,9 +133,10 @@ class RehearsalBackend(Backend):
     def free_storage(self, tensor: torch.Tensor) -> None:
         """Free the storage in place and tell the tracker (a resize is no op it sees)."""
         storage = tensor.untyped_storage()
-        if self.tracker is not None:
+        number = self.tracker.allocation_of(storage._cdata) if self.tracker is not None else None
+        if number is not None:
             # Freed in place: a library that holds the tensor longer holds no memory.
-            self._reduced_inputs.pop(self.tracker.allocation_of(storage._cdata), None)
+            self._reduced_inputs.pop(number, None)
         if storage.size() != 0:
             storage.resize_(0)
             if self.tracker is not None:
