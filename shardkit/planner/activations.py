@@ -56,7 +56,6 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.workspace, self.threads = workspace, threads  # Capabilities.kernel_workspace
-        self.largest_workspace = 0
         self._ignore = ignore  # storages that exist before the step (parameters)
         self._alive: dict[int, tuple[int, int]] = {}  # storage -> (nbytes, allocation number)
         self._refs: dict[int, weakref.ref] = {}
@@ -162,7 +161,6 @@ class LiveBytes(TorchDispatchMode):
                 self._scratch -= 1
                 self._allocate(self._scratch, scratch)
                 self._free(self._scratch)
-                self.largest_workspace = max(self.largest_workspace, scratch)
         return out
 
 

@@ -213,7 +213,6 @@ class Rehearsal:
 
     record: StepRecord  # the second step's device allocations and frees, what was live first
     comm: dict[str, int]  # the engine's CommStats of that step, as comm_stats(model) says them
-    largest_workspace: int  # the largest kernel scratch the target's rule added at one op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +288,7 @@ def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
     finally:
         if collecting:
             gc.enable()
-    return Rehearsal(record, comm, tracker.largest_workspace)
+    return Rehearsal(record, comm)
 
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict,
