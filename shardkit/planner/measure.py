@@ -65,9 +65,8 @@ def measured_peak(rank: int, spec: MeasureSpec) -> dict[str, int]:
     from ..sharding.api import shard
     from ..sharding.surface.recipes import checkpoint_layers
     from .activations import model_loss, token_inputs
-    from .rehearsal import OPTIMIZERS
-
     from .models import wrap_by_class_names
+    from .rehearsal import OPTIMIZERS
 
     ctx = current_context()
     assert ctx is not None  # spawn() initialised this rank
