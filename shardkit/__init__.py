@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .job.runtime import DistContext, current_context, init, shutdown
     from .seeding import seeded
     from .job.selection import backend_statuses, get_backend
-    from .sharding import (MixedPrecision, ShardingStrategy, clip_grad_norm_, comm_stats,
+    from .sharding import (MixedPrecision, Quantization, ShardingStrategy, clip_grad_norm_, comm_stats,
                            full_shape, full_tensor, local_shard, register_forward_method, shard)
     from .sharding.setup.replicas import check_model_replicas as check_replicas
     from .sharding.step.verify import CollectiveOrderError
@@ -59,7 +59,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "seeded": (".seeding", "seeded"),
     **{name: (".job.selection", name) for name in ("backend_statuses", "get_backend")},
     **{name: (".sharding", name) for name in (
-        "MixedPrecision", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "full_shape",
+        "MixedPrecision", "Quantization", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "full_shape",
         "full_tensor", "local_shard", "register_forward_method", "shard")},
     "check_replicas": (".sharding.setup.replicas", "check_model_replicas"),
     "CollectiveOrderError": (".sharding.step.verify", "CollectiveOrderError"),
@@ -90,7 +90,7 @@ __all__ = [
     "Capabilities", "CheckpointError", "CheckpointNotFoundError", "CollectiveOrderError",
     "CompletedWork", "CorruptCheckpointError", "DistContext", "Group",
     "IncompleteCheckpointError", "JobStoreError", "LaunchEnv", "MixedPrecision", "NullEvent",
-    "NullStream", "PeerFailedError", "Plan", "PluginLoadError", "ReduceOp", "ShardingStrategy",
+    "NullStream", "PeerFailedError", "Plan", "PluginLoadError", "Quantization", "ReduceOp", "ShardingStrategy",
     "ShardkitError", "SpawnError", "StateDictMismatchError", "TorchWork",
     "UnsupportedOperationError", "Work", "__version__", "backend_statuses", "check_replicas",
     "checkpoint", "clip_grad_norm_", "comm_stats", "current_context", "detect_launch_env",

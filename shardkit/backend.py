@@ -340,6 +340,21 @@ class Backend:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return TorchWork(gather(output, input, group=group.handle, async_op=async_op))
 
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Group,
+                          async_op: bool = False) -> Work:
+        """Send the i-th of `input`'s equal slices to group rank i; `output`'s i-th slice receives rank i's slice for this rank.
+
+        The engine's quantized reductions (sharding/step/quantize.py) move int8 payloads with it,
+        so a library that cannot sum int8 blocks correctly never has to.
+        """
+        import torch.distributed as dist
+
+        check_equal_split("all_to_all_single", output, input, group)
+        if group.size == 1:
+            return copy_locally(output, input)
+        return TorchWork(dist.all_to_all_single(output, input, group=group.handle,
+                                                async_op=async_op))
+
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                               op: str = ReduceOp.SUM, async_op: bool = False, *,
                               factor: float | None = None) -> Work:
@@ -450,6 +465,14 @@ def check_flat_sizes(op: str, whole_name: str, whole: torch.Tensor, part_name: s
     if whole.numel() != part.numel() * group.size:
         raise ShardkitError(f"{op} needs {whole_name}.numel() == {part_name}.numel() * group size, "
                             f"got {whole.numel()} vs {part.numel()} x {group.size}")
+
+
+def check_equal_split(op: str, output: torch.Tensor, input: torch.Tensor, group: Group) -> None:
+    """Raise a ShardkitError unless `output` and `input` are the same size, a multiple of the group's."""
+    if output.numel() != input.numel() or input.numel() % group.size:
+        raise ShardkitError(f"{op} needs output and input of one size that splits evenly over "
+                            f"the group's {group.size} ranks, got {output.numel()} and "
+                            f"{input.numel()}")
 
 
 def check_reduce_op(backend: Backend, op: str, factor: float | None) -> None:

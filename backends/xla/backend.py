@@ -24,7 +24,7 @@ import torch
 from typing_extensions import override
 
 from shardkit import Backend, Capabilities
-from shardkit.backend import check_flat_sizes, check_reduce_op, copy_locally, process_memory
+from shardkit.backend import check_equal_split, check_flat_sizes, check_reduce_op, copy_locally, process_memory
 from shardkit.errors import ShardkitError, UnsupportedOperationError
 from shardkit.handles import CompletedWork, Group, ReduceOp, Work
 from shardkit.install_hint import pip_install_extra
@@ -254,6 +254,19 @@ class XLABackend(Backend):
         gathered = self._collective(group, input, lambda src, groups: _xm().all_gather(
             src, dim=0, groups=groups, pin_layout=False))
         output.copy_(gathered.view(output.shape))
+        return CompletedWork()
+
+    @override
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Group,
+                          async_op: bool = False) -> Work:
+        """Send the i-th equal slice of `input` to group rank i; receive each rank's slice for this one."""
+        check_equal_split("all_to_all_single", output, input, group)
+        if group.size == 1:
+            return copy_locally(output, input)
+        moved = self._collective(group, input, lambda src, groups: _xm().all_to_all(
+            src, split_dimension=0, concat_dimension=0, split_count=group.size, groups=groups,
+            pin_layout=False))
+        output.copy_(moved.view(output.shape))
         return CompletedWork()
 
     @override

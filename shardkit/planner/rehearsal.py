@@ -177,6 +177,13 @@ class RehearsalBackend(Backend):
         return CompletedWork()
 
     @override
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Group,
+                          async_op: bool = False) -> Work:
+        """Done at once; the input's size is noted (a quantized reduction's payload)."""
+        self._reduced(input)
+        return CompletedWork()
+
+    @override
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = "sum",
                    async_op: bool = False, *, factor: float | None = None) -> Work:
         """Done at once; the tensor's size is noted."""

@@ -25,7 +25,7 @@ from .step import hooks
 from .setup.fingerprint import check_same_model, describe
 from .setup.stale_optimizer import remember_replaced
 from .step.verify import maybe_wrap
-from .setup.groups import GroupMaker, make_groups, shard_group_size
+from .setup.groups import GroupMaker, make_groups, make_node_hops, shard_group_size
 from .setup.materialize import has_meta, materialize
 from .surface.module_api import STATE_ATTR, sharded_class
 from .surface.param_access import is_sharded_param, remember_params
@@ -33,7 +33,7 @@ from .step.whole_view import make_mesh, refuse_partial_items
 from .surface import state_dict_hooks, torch_norms
 from .step.param import ShardedParam
 from .setup.plan import ParamPlan, UnitPlan, all_param_plans, plan_units
-from .policies import MixedPrecision, ShardConfig, ShardingStrategy
+from .policies import MixedPrecision, Quantization, ShardConfig, ShardingStrategy
 from .setup.report import log_sharding
 from .setup.replicas import broadcast_from_first, check_replicas
 from .setup.reshard import ReshardSpec, frees_without_backward, make_reshard_groups, resolve
@@ -45,9 +45,9 @@ if TYPE_CHECKING:
 
 
 def _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
-            param_init_fn, backend: Backend) -> ShardConfig:
+            param_init_fn, backend: Backend, quantize: Quantization | None = None) -> ShardConfig:
     config = ShardConfig.build(strategy, mixed_precision, cpu_offload, prefetch,
-                               hybrid_group_size, param_init_fn)
+                               hybrid_group_size, param_init_fn, quantize)
     mp = config.mixed_precision
     for field_name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
         dtype = getattr(mp, field_name)
@@ -96,7 +96,8 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
           param_init_fn: Callable[[nn.Module], object] | None = None, prefetch: int = 1,
           hybrid_group_size: int | None = None, verify: bool | None = None,
           reshard_after_forward: ReshardSpec = None,
-          sync_module_states: bool | None = None) -> nn.Module:
+          sync_module_states: bool | None = None,
+          quantize: Quantization | None = None) -> nn.Module:
     """Shard `model` in place over the data-parallel ranks and return it (names unchanged).
 
     - strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (gathered params kept from forward to
@@ -129,6 +130,9 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
       (each parameter's shard across its replicas, every buffer across all ranks) and raises,
       naming the first difference, if ranks built different values. None: True where ranks are
       threads of one process (Capabilities.ranks_share_process), else False.
+    - quantize: shardkit.Quantization(weights=..., gradients=..., block_size=256): send the
+      parameter all-gathers and/or the gradient reductions as block-quantized int8 (ZeRO++
+      qwZ / qgZ), for jobs bound by a slow link; the sharded master weights stay exact.
     Afterwards each of model.parameters() (what the optimizer owns) is a DTensor of the whole
     parameter whose local tensor is this rank's rows (dim-0 Shard over the shard group), where
     the backend's groups are torch process groups and a shard group has 2+ ranks; otherwise the
@@ -142,7 +146,7 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     ctx = require_context(backend)
     choices = _decide(model, ctx, strategy, auto_wrap_policy, mixed_precision, device_id,
                       cpu_offload, param_init_fn, prefetch, hybrid_group_size,
-                      reshard_after_forward, sync_module_states)
+                      reshard_after_forward, sync_module_states, quantize)
     state, reshard_groups, mesh = _make_runtime(ctx, choices, verify)
     by_param = _shard_parameters(model, ctx, choices, state, mesh)
     _make_units(state, choices, by_param, reshard_groups)
@@ -168,12 +172,12 @@ class _Choices:
 
 def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixed_precision,
             device_id, cpu_offload, param_init_fn, prefetch, hybrid_group_size,
-            reshard_after_forward, sync_module_states) -> _Choices:
+            reshard_after_forward, sync_module_states, quantize=None) -> _Choices:
     """Resolve every option and the unit plan; check that every rank decided the same."""
     be = ctx.backend
     device = ctx.device if device_id is None else be.normalize_device(device_id, ctx.local_rank)
     config = _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
-                     param_init_fn, be)
+                     param_init_fn, be, quantize)
     units = plan_units(model, as_policy(auto_wrap_policy))
     n_shard = shard_group_size(config.strategy, hybrid_group_size, ctx.env.local_world_size,
                                ctx.world.size)
@@ -202,6 +206,9 @@ def _make_runtime(ctx: DistContext, choices: _Choices,
     state = ShardState(maybe_wrap(be, verify, ctx.timeout), choices.device, ctx.world, shard_group,
                        replica_group, choices.config,
                        ranks_per_node=ctx.env.local_world_size or None)
+    if choices.config.quantization.gradients:
+        state.node_hops = make_node_hops(maker, ctx.world, shard_group,
+                                         ctx.env.local_world_size or None)
     maker.release_with(state)
     mesh = make_mesh(ctx.world, shard_group, replica_group, choices.device.type,
                      _shard_device(choices, be).type, be.capabilities.torch_process_group)

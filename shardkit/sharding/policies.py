@@ -48,6 +48,41 @@ class MixedPrecision:
 
 
 @dataclass(frozen=True)
+class Quantization:
+    """Which collectives travel as block-quantized int8 (ZeRO++ qwZ / qgZ); masters stay exact.
+
+    weights: each unit's all-gather over the shard group sends int8 codes and one fp32 scale per
+    `block_size` elements of compute-dtype weights (about 1/4 of fp32's bytes, 1/2 of bf16's);
+    every rank decodes the same bytes. gradients: every gradient reduction that spans ranks (the
+    shard group's, the replicas' all-reduce) sends int8 blocks through an all-to-all and each
+    rank sums what it receives in fp32, so quantized values are never summed. Gathers for
+    state_dict, checkpoints and summon-style full views stay exact, as does the intra-group
+    re-gather of an integer reshard_after_forward.
+    """
+
+    weights: bool = False
+    gradients: bool = False
+    # 256: 4 scale bytes per 256 codes is 1.6 % on the wire, and one large value spoils at most
+    # 256 neighbours' resolution (benchmarks/bench_quantize.py measures error per block size).
+    block_size: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("weights", "gradients"):
+            if not isinstance(getattr(self, name), bool):
+                raise ShardkitError(f"Quantization.{name} must be True or False, got "
+                                    f"{getattr(self, name)!r}")
+        block = self.block_size
+        if isinstance(block, bool) or not isinstance(block, int) or not 8 <= block <= 1 << 20:
+            raise ShardkitError(f"Quantization.block_size must be an int in [8, 1048576] "
+                                f"(elements per fp32 scale), got {block!r}")
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is quantized."""
+        return self.weights or self.gradients
+
+
+@dataclass(frozen=True)
 class ShardConfig:
     """Everything shard() was asked for, normalised; one per sharded model."""
 
@@ -57,11 +92,13 @@ class ShardConfig:
     prefetch: int  # unshards allowed in flight ahead of the one being used; 0 disables prefetch
     hybrid_group_size: int | None
     param_init_fn: Callable[[torch.nn.Module], Any] | None = None
+    quantization: Quantization = Quantization()
 
     @classmethod
     def build(cls, strategy: "ShardingStrategy | str", mixed_precision: MixedPrecision | None,
               cpu_offload: bool, prefetch: int, hybrid_group_size: int | None,
-              param_init_fn: Callable[[torch.nn.Module], Any] | None = None) -> "ShardConfig":
+              param_init_fn: Callable[[torch.nn.Module], Any] | None = None,
+              quantization: "Quantization | None" = None) -> "ShardConfig":
         """Check and normalise what shard() (or plan()) was given; raise a clear error on bad values."""
         mp = mixed_precision or MixedPrecision()
         if not isinstance(mp, MixedPrecision):
@@ -70,8 +107,13 @@ class ShardConfig:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ShardkitError(f"prefetch must be an int >= 0 (0 disables prefetch), got "
                                 f"{prefetch!r}")
+        quantization = quantization or Quantization()
+        if not isinstance(quantization, Quantization):
+            raise ShardkitError(f"quantize must be a shardkit.Quantization (e.g. "
+                                f"Quantization(weights=True, gradients=True)), got "
+                                f"{type(quantization).__name__}")
         return cls(ShardingStrategy.parse(strategy), mp, bool(cpu_offload), prefetch,
-                   hybrid_group_size, param_init_fn)
+                   hybrid_group_size, param_init_fn, quantization)
 
     @property
     def reshard_after_forward(self) -> bool:

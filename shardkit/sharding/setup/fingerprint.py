@@ -31,7 +31,8 @@ def reset_counter() -> None:
 def describe(units: list[UnitPlan], config: ShardConfig) -> list[str]:
     """One "key: value" line per fact every rank must agree on: the options and each parameter."""
     lines = [f"options: strategy {config.strategy.name}, hybrid_group_size "
-             f"{config.hybrid_group_size}, prefetch {config.prefetch}, {config.mixed_precision}"]
+             f"{config.hybrid_group_size}, prefetch {config.prefetch}, {config.mixed_precision}, "
+             f"{config.quantization}"]
     for unit in units:
         for plan in unit.params:
             p = plan.param

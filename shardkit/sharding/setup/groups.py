@@ -97,3 +97,29 @@ def make_groups(maker: GroupMaker, world: Group, strategy: ShardingStrategy,
             replica = g
     assert shard is not None  # the shard groups cover every rank
     return shard, replica
+
+
+def make_node_hops(maker: GroupMaker, world: Group, shard_group: Group,
+                   ranks_per_node: int | None) -> tuple[Group, Group] | None:
+    """(this rank's node group, its group across nodes) inside a shard group spanning whole
+    nodes, for the two-hop quantized gradient reduction; None where one hop is all there is.
+
+    Every rank calls this together. Shard groups are runs of consecutive world ranks, so a node
+    is a run of ranks_per_node of them and the group across nodes takes every ranks_per_node-th.
+    """
+    size, per_node = shard_group.size, ranks_per_node or 0
+    if per_node < 2 or size <= per_node or size % per_node:
+        return None
+    me = world.ranks[world.rank]
+    node = across = None
+    for start in range(0, world.size, per_node):
+        g = maker.new_group(list(range(start, start + per_node)))
+        if me in g.ranks:
+            node = g
+    for first in range(0, world.size, size):
+        for offset in range(per_node):
+            g = maker.new_group(list(range(first + offset, first + size, per_node)))
+            if me in g.ranks:
+                across = g
+    assert node is not None and across is not None  # both families cover every rank
+    return node, across

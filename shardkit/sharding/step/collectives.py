@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from ...backend import Backend
-from ...handles import Group, Work
+from ...handles import Group, ReduceOp, Work
 from .buffers import BufferPool
 from .traffic import CommStats
 from .param import ShardedParam
+from .quantize import decode_rows, encode_rows, payload_bytes
 from .trace import trace_range
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class PendingGather:
     input: torch.Tensor  # this rank's row of `output`
     event: Any = None  # recorded on the gather stream after the collective was queued
     into_storage: bool = False  # `output` is a direct bucket's own param storage: no copy-out
+    payload: torch.Tensor | None = None  # int8 blocks gathered (Quantization.weights): decoded
+    block: int = 0  # ... into `output` by wait()
 
     def wait(self, backend: Backend, device: torch.device) -> None:
         """Make the compute stream see the gathered data (blocks the host where there are no streams)."""
@@ -53,6 +56,12 @@ class PendingGather:
         self.work.wait()
         # The output was allocated on the gather stream; copy-out reads it on the compute stream.
         backend.record_stream(self.output, current)
+        if self.payload is not None:
+            backend.record_stream(self.payload, current)
+            rows = self.output.view(self.payload.shape[0], -1)
+            with trace_range("shardkit::dequantize"):
+                rows.copy_(decode_rows(self.payload, rows.shape[1], self.block))
+            self.payload = None  # decoded once: a second wait() must not overwrite
 
 
 def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device: torch.device,
@@ -60,7 +69,8 @@ def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device:
                      async_op: bool, stream: Any = None,
                      pool: BufferPool | None = None,
                      source: torch.Tensor | None = None,
-                     into: torch.Tensor | None = None) -> PendingGather:
+                     into: torch.Tensor | None = None,
+                     quantize_block: int = 0) -> PendingGather:
     """Copy this rank's shards (cast to `dtype`) into one flat input and start the all-gather.
 
     With a separate gather `stream`, copy-in and the collective run there so they overlap with
@@ -68,6 +78,8 @@ def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device:
     the shards). `source`, when given, is this rank's ready-made row instead of the shards (the
     slice kept by reshard_after_forward=k, gathered over the k-rank `group`). `into`, when given,
     is the output (a direct bucket's padded flat storage) instead of a pooled buffer.
+    `quantize_block` > 0 gathers int8 blocks of that size instead (Quantization.weights); wait()
+    decodes them into the output, this rank's row included.
     """
     stream = stream if stream is not None else backend.current_stream(device)
     stream.wait_stream(backend.current_stream(device))
@@ -86,14 +98,24 @@ def start_all_gather(params: Sequence[ShardedParam], dtype: torch.dtype, device:
                 copy_in(params, inp, sizes)
             else:
                 inp.copy_(source)
+        payload = None
+        if quantize_block and group.size > 1:
+            payload = torch.empty(group.size, payload_bytes(row, quantize_block),
+                                  dtype=torch.uint8, device=device)
+            with trace_range("shardkit::quantize"):
+                encode_rows(inp.view(1, row), quantize_block, out=payload[group.rank])
+            sent, gathered = payload[group.rank], payload.view(-1)
+        else:
+            sent, gathered = inp, out
         if stats is not None:
-            stats.all_gather(inp.numel() * inp.element_size(), group.size,
+            stats.all_gather(sent.numel() * sent.element_size(), group.size,
                              stats.crosses_node(group))
         with trace_range("shardkit::all_gather"):
-            work = backend.all_gather_into_tensor(out, inp, group, async_op=async_op)
+            work = backend.all_gather_into_tensor(gathered, sent, group, async_op=async_op)
         event = backend.new_event()
         event.record(stream)
-    return PendingGather(work, out, inp, event, into_storage=into is not None)
+    return PendingGather(work, out, inp, event, into_storage=into is not None, payload=payload,
+                         block=quantize_block)
 
 
 def copy_in(params: Sequence[ShardedParam], inp: torch.Tensor, sizes: Sequence[int]) -> None:
@@ -125,9 +147,11 @@ def copy_out(params: Sequence[ShardedParam], output: torch.Tensor,
 
 
 def gather_full(params: Sequence[ShardedParam], dtype: torch.dtype, device: torch.device,
-                group: Group, backend: Backend, stats: CommStats | None) -> list[torch.Tensor]:
+                group: Group, backend: Backend, stats: CommStats | None,
+                quantize_block: int = 0) -> list[torch.Tensor]:
     """Return fresh full tensors (original shapes, `dtype`) of `params`; synchronous."""
-    pending = start_all_gather(params, dtype, device, group, backend, stats, async_op=False)
+    pending = start_all_gather(params, dtype, device, group, backend, stats, async_op=False,
+                               quantize_block=quantize_block)
     pending.wait(backend, device)  # fresh buffers (no pool): the caller may keep views
     flats = [torch.empty(p.padded_numel, dtype=dtype, device=device) for p in params]
     copy_out(params, pending.output, flats, group.size)
@@ -148,6 +172,8 @@ class PendingReduce:
     event: Any = None  # recorded on the reduce stream after the collective was queued
     pooled: bool = True  # `input` came from the buffer pool (not a direct bucket's own grad)
     group: Group | None = None  # the shard group it reduced over
+    block: int = 0  # > 0: every hop of this reduction moves int8 blocks (Quantization.gradients)
+    payload: torch.Tensor | None = None  # received int8 rows, summed into `output` by reduced_row
 
 
 def pack_grads(params: Sequence[ShardedParam], grads: Sequence[torch.Tensor | None],
@@ -194,8 +220,15 @@ def grad_as_input(p: ShardedParam, grad: torch.Tensor | None, dtype: torch.dtype
 def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, device: torch.device,
                          group: Group, backend: Backend, stats: CommStats | None,
                          plan: "ReducePlan", stream: Any = None,
-                         pooled: bool = True) -> PendingReduce:
-    """Start the reduce-scatter (the plan's op) of a packed input; this rank's row lands in the output."""
+                         pooled: bool = True, quantize_block: int = 0,
+                         node_hops: tuple[Group, Group] | None = None) -> PendingReduce:
+    """Start the reduce-scatter (the plan's op) of a packed input; this rank's row lands in the output.
+
+    `quantize_block` > 0: each rank's (group_size, row) input travels as int8 blocks through an
+    all-to-all instead, and reduced_row sums the rows this rank received in fp32. With
+    `node_hops` (this rank's node group and its group across nodes, for a shard group spanning
+    nodes) in two hops: inside the node first, then across nodes with one row per peer node.
+    """
     # Packing ran on the compute stream (where the grads were made); the collective runs on the
     # reduce stream so the next unit's backward can proceed.
     stream = stream if stream is not None else backend.current_stream(device)
@@ -203,16 +236,110 @@ def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, devi
     backend.record_stream(inp, stream)
     with backend.use_stream(stream):
         out = torch.empty(inp.shape[1], dtype=inp.dtype, device=device)
-        if stats is not None:
-            stats.reduce_scatter(out.numel() * out.element_size(), group.size,
-                                 stats.crosses_node(group))
-        with trace_range("shardkit::reduce_scatter"):
-            work = backend.reduce_scatter_tensor(out, inp.view(-1), group, op=plan.scatter_op,
-                                                 async_op=True,
-                                                 **factor_kwargs(plan.scatter_factor))
+        if quantize_block and group.size > 1:
+            rows = inp if node_hops is None else _node_sums(inp, node_hops[0], backend, stats,
+                                                           quantize_block)
+            work, payload = _start_quantized_scatter(rows, group if node_hops is None
+                                                     else node_hops[1], backend, stats,
+                                                     quantize_block)
+        else:
+            payload = None
+            if stats is not None:
+                stats.reduce_scatter(out.numel() * out.element_size(), group.size,
+                                     stats.crosses_node(group))
+            with trace_range("shardkit::reduce_scatter"):
+                work = backend.reduce_scatter_tensor(out, inp.view(-1), group, op=plan.scatter_op,
+                                                     async_op=True,
+                                                     **factor_kwargs(plan.scatter_factor))
         event = backend.new_event()
         event.record(stream)
-    return PendingReduce(list(params), work, out, inp, plan, event, pooled, group)
+    return PendingReduce(list(params), work, out, inp, plan, event, pooled, group,
+                         quantize_block, payload)
+
+
+def _start_quantized_scatter(rows: torch.Tensor, group: Group, backend: Backend,
+                             stats: CommStats | None, block: int,
+                             per_peer: int = 1) -> tuple[Work, torch.Tensor]:
+    """Encode each row as int8 blocks and start the all-to-all, `per_peer` consecutive rows to
+    each group rank; return it and the received payload (rank r's rows for this rank, in order)."""
+    with trace_range("shardkit::quantize"):
+        sent = encode_rows(rows, block)
+    received = torch.empty_like(sent)
+    if stats is not None:
+        stats.all_to_all("reduce_scatter", sent.shape[1] * per_peer, group)
+    with trace_range("shardkit::reduce_scatter"):
+        work = backend.all_to_all_single(received.view(-1), sent.view(-1), group, async_op=True)
+    # The send buffer must outlive the collective: the work keeps no reference of its own on
+    # every backend, so the received payload's holder keeps both.
+    return _KeepAlive(work, sent), received
+
+
+def _node_sums(rows: torch.Tensor, node: Group, backend: Backend, stats: CommStats | None,
+               block: int) -> torch.Tensor:
+    """Hop one of a two-hop quantized reduce-scatter: sum inside the node, in fp32.
+
+    Rows are rank-major over a shard group of nodes x node.size consecutive ranks; node peer j
+    receives the rows of every rank at position j of its node, so afterwards this rank holds
+    its node's sums of the (nodes, row) rows that the ranks at its own position own.
+    """
+    width = node.size
+    nodes = rows.shape[0] // width
+    by_peer = rows.view(nodes, width, -1).transpose(0, 1).reshape(nodes * width, -1)
+    pending, received = _start_quantized_scatter(by_peer, node, backend, stats, block,
+                                                 per_peer=nodes)
+    pending.wait()
+    return decode_rows(received, rows.shape[1], block).view(width, nodes, -1).sum(dim=0)
+
+
+@dataclass
+class _KeepAlive:
+    """A Work that holds its send buffer until waited on."""
+
+    work: Work
+    sent: torch.Tensor | None
+
+    def wait(self) -> None:
+        """Wait for the collective, then let the send buffer go."""
+        self.work.wait()
+        self.sent = None
+
+    def is_completed(self) -> bool:
+        """Whether the collective finished."""
+        return self.work.is_completed()
+
+
+def _apply_op(total: torch.Tensor, op: str, factor: float | None, size: int) -> torch.Tensor:
+    """What the collective's `op` would have made of a sum over `size` ranks (fp32, in place)."""
+    if op == ReduceOp.AVG:
+        return total.div_(size)
+    if op == ReduceOp.PREMUL_SUM and factor is not None:
+        return total.mul_(factor)
+    return total
+
+
+def quantized_all_reduce(tensor: torch.Tensor, group: Group, backend: Backend,
+                         stats: CommStats | None, block: int, op: str,
+                         factor: float | None) -> None:
+    """All-reduce a flat `tensor` in place, moving int8 blocks both ways (qgZ's inter-node hop).
+
+    Each rank receives every rank's quantized slice of its 1/N of the tensor (all-to-all), sums
+    them in fp32, and the sums are all-gathered quantized once more; every rank decodes the same
+    gathered bytes, so replicas stay identical.
+    """
+    size, numel = group.size, tensor.numel()
+    width = -(-numel // size)
+    rows = torch.nn.functional.pad(tensor.reshape(-1).float(), (0, size * width - numel))
+    pending, received = _start_quantized_scatter(rows.view(size, width), group, backend, stats,
+                                                 block)
+    pending.wait()
+    mine = _apply_op(decode_rows(received, width, block).sum(dim=0), op, factor, size)
+    gathered = torch.empty(size, payload_bytes(width, block), dtype=torch.uint8,
+                           device=tensor.device)
+    encode_rows(mine.view(1, width), block, out=gathered[group.rank])
+    if stats is not None:
+        stats.all_gather(gathered.shape[1], size, stats.crosses_node(group), kind="all_reduce")
+    backend.all_gather_into_tensor(gathered.view(-1), gathered[group.rank], group).wait()
+    tensor.view(-1).copy_(decode_rows(gathered, width, block).reshape(-1)[:numel])
 
 
 def reduced_row(pending: PendingReduce, replica: Group | None, backend: Backend,
@@ -231,12 +358,24 @@ def reduced_row(pending: PendingReduce, replica: Group | None, backend: Backend,
     pending.work.wait()
     out = pending.output
     backend.record_stream(out, current)
+    plan = pending.plan
+    if pending.payload is not None:
+        backend.record_stream(pending.payload, current)
+        with trace_range("shardkit::dequantize"):
+            total = decode_rows(pending.payload, out.numel(), pending.block).sum(dim=0)
+            summed_over = pending.group.size if pending.group is not None else 1
+            out.copy_(_apply_op(total, plan.scatter_op, plan.scatter_factor, summed_over))
+        pending.payload = None
     if replica is not None and replica.size > 1:
-        if stats is not None:
-            stats.all_reduce(out.numel() * out.element_size(), replica.size,
-                             stats.crosses_node(replica))
-        backend.all_reduce(out, replica, op=pending.plan.replica_op, async_op=False,
-                           **factor_kwargs(pending.plan.replica_factor)).wait()
+        if pending.block:
+            quantized_all_reduce(out, replica, backend, stats, pending.block, plan.replica_op,
+                                 plan.replica_factor)
+        else:
+            if stats is not None:
+                stats.all_reduce(out.numel() * out.element_size(), replica.size,
+                                 stats.crosses_node(replica))
+            backend.all_reduce(out, replica, op=plan.replica_op, async_op=False,
+                               **factor_kwargs(plan.replica_factor)).wait()
     if pending.plan.post_divide != 1.0:
         out.div_(pending.plan.post_divide)
     share_replicated_scalars(pending.params, out, pending.group, backend, stats)

@@ -27,6 +27,9 @@ class ShardState:
         self.world = world
         self.shard_group = shard_group
         self.replica_group = replica_group
+        # (node group, group across nodes) of a shard group spanning nodes, for the two-hop
+        # quantized gradient reduction (setup/groups.make_node_hops); None: one hop.
+        self.node_hops: tuple[Group, Group] | None = None
         self.config = config
         caps = backend.capabilities
         self.async_collectives = caps.async_collectives

@@ -106,7 +106,7 @@ def gather_unit(shards: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     full: dict[int, torch.Tensor] = {}
     for bucket in unit.gather_buckets:
         gathered = gather_full(bucket.params, bucket.dtype, st.device, st.shard_group, st.backend,
-                               st.stats)
+                               st.stats, quantize_block=unit.weight_block)
         full.update((id(p), t) for p, t in zip(bucket.params, gathered))
     return [full[id(p)] for p in unit.params]
 
@@ -138,7 +138,8 @@ def reduce_unit(grads: list[torch.Tensor], key: str) -> list[torch.Tensor]:
         inp = pack_grads(bucket.params, [by_param[id(p)] for p in bucket.params], bucket.dtype,
                          st.device, st.shard_group.size, plan.pre_divide)
         pending = start_reduce_scatter(bucket.params, inp, st.device, st.shard_group, st.backend,
-                                       st.stats, plan)
+                                       st.stats, plan, quantize_block=unit.grad_block,
+                                       node_hops=st.node_hops)
         row = reduced_row(pending, st.replica_group, st.backend, st.stats)
         for p, grad in zip(bucket.params, torch.split(row, row_sizes(bucket.params))):
             # Copies: a custom op's outputs may not alias one another (they would share the row).

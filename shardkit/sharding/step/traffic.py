@@ -24,6 +24,14 @@ def bytes_sent(kind: str, payload: float, group_size: int) -> float:
     return (group_size - 1) * payload
 
 
+def peers_off_node(ranks: Sequence[int], index: int, ranks_per_node: int | None) -> int:
+    """How many members of a group over `ranks` live on another node than the one at `index`."""
+    if not ranks_per_node:
+        return 0
+    node = ranks[index] // ranks_per_node
+    return sum(1 for r in ranks if r // ranks_per_node != node)
+
+
 def successor_off_node(ranks: Sequence[int], index: int, ranks_per_node: int | None) -> bool:
     """True when the rank at `index` of a ring over `ranks` (global ranks) sends to another node."""
     if not ranks_per_node or len(ranks) < 2:
@@ -45,9 +53,10 @@ class CommStats:
         """Whether this rank's ring successor in `group` (a Group) is on another node."""
         return group.size > 1 and successor_off_node(group.ranks, group.rank, self.ranks_per_node)
 
-    def all_gather(self, shard_bytes: int, group_size: int, crosses_node: bool = False) -> None:
-        """Record an all-gather: a ring sends (N-1) shards per rank."""
-        self._add("all_gather", group_size, shard_bytes, crosses_node)
+    def all_gather(self, shard_bytes: int, group_size: int, crosses_node: bool = False,
+                   kind: str = "all_gather") -> None:
+        """Record an all-gather: a ring sends (N-1) shards per rank (counted under `kind`)."""
+        self._add(kind, group_size, shard_bytes, crosses_node)
 
     def reduce_scatter(self, shard_bytes: int, group_size: int, crosses_node: bool = False) -> None:
         """Record a reduce-scatter: a ring sends (N-1) output-sized chunks per rank."""
@@ -56,6 +65,15 @@ class CommStats:
     def all_reduce(self, nbytes: int, group_size: int, crosses_node: bool = False) -> None:
         """Record an all-reduce: reduce-scatter + all-gather, 2(N-1)/N of the tensor per rank."""
         self._add("all_reduce", group_size, nbytes, crosses_node)
+
+    def all_to_all(self, kind: str, chunk_bytes: int, group: Any) -> None:
+        """Record an all-to-all sending one `chunk_bytes` chunk to each peer, counted under `kind`
+        (the reduction it serves): its inter-node bytes are exact, one chunk per peer elsewhere."""
+        if group.size > 1:
+            self.bytes[kind] += (group.size - 1) * chunk_bytes
+            self.inter_node[kind] += chunk_bytes * peers_off_node(group.ranks, group.rank,
+                                                                  self.ranks_per_node)
+            self.calls[kind] += 1
 
     def note_in_flight(self, count: int) -> None:
         """Remember the largest number of prefetched all-gathers in flight together."""

@@ -30,6 +30,7 @@ class UnitRuntime(Protocol):
     config: ShardConfig
     shard_group: Group
     replica_group: Group | None
+    node_hops: tuple[Group, Group] | None
     pool: BufferPool
     stats: CommStats
     gather_stream: Any
@@ -68,6 +69,11 @@ class ShardUnit:
             b.dtype: reduce_plan(state.backend.exact_reduce_ops_for(b.dtype), b.dtype,
                                  state.shard_group.size, state.dp_size // state.shard_group.size)
             for b in self.reduce_buckets}
+        # Block sizes of the quantized collectives (Quantization), 0 where exact. The 1/k slices
+        # re-gathered in backward stay exact: they are already the decoded values.
+        quant = state.config.quantization
+        self.weight_block = quant.block_size if quant.weights else 0
+        self.grad_block = quant.block_size if quant.gradients else 0
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.pending: list[tuple[list[ShardedParam], PendingGather]] = []
@@ -167,7 +173,8 @@ class ShardUnit:
                 pending = start_all_gather(bucket.params, bucket.dtype, st.device, group,
                                            st.backend, st.stats, async_op=async_op,
                                            stream=st.gather_stream, pool=st.pool,
-                                           source=rows.get(i), into=into)
+                                           source=rows.get(i), into=into,
+                                           quantize_block=0 if rows else self.weight_block)
                 self.pending.append((bucket.params, pending))
         self._move(ShardedState.GATHERING)
 
@@ -279,7 +286,8 @@ class ShardUnit:
         # may allocate its own temporaries).
         del grads
         return start_reduce_scatter(params, inp, st.device, st.shard_group, st.backend,
-                                    st.stats, plan, stream=st.reduce_stream, pooled=pooled)
+                                    st.stats, plan, stream=st.reduce_stream, pooled=pooled,
+                                    quantize_block=self.grad_block, node_hops=st.node_hops)
 
     def finish(self, pending: PendingReduce) -> None:
         """Complete one of this unit's reductions into the sharded grads."""

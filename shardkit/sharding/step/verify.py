@@ -100,6 +100,12 @@ class VerifyingBackend:
         return self._backend.reduce_scatter_tensor(output, input, group, op=op, async_op=async_op,
                                                    **factor_kwargs(factor))
 
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Group,
+                          async_op: bool = False) -> Work:
+        """Verify, then all-to-all."""
+        self._verify("all_to_all", input, group)
+        return self._backend.all_to_all_single(output, input, group, async_op=async_op)
+
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = ReduceOp.SUM,
                    async_op: bool = False, *, factor: float | None = None) -> Work:
         """Verify, then all-reduce."""
