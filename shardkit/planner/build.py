@@ -25,11 +25,12 @@ from ..sharding.step.traffic import CommStats
 from ..sharding.setup.groups import shard_group_size
 from ..sharding.step.layout import shard_layout
 from ..sharding.setup.plan import ParamPlan, UnitPlan, plan_units
-from ..sharding.policies import MixedPrecision, ShardConfig, ShardingStrategy
+from ..sharding.policies import MixedPrecision, Quantization, ShardConfig, ShardingStrategy
+from ..sharding.step.quantize import payload_bytes
 from ..sharding.setup.reshard import ReshardSpec, resolve, unit_label
 from ..sharding.wrap_policies import WrapPolicy, as_policy
 from .activations import InputsFn
-from .nodes import inter_node_by_rank
+from .nodes import inter_node_by_rank, stat_kind
 from .replay import Timeline
 from .optimizers import state_tensors
 from .result import Plan, UnitRow
@@ -110,7 +111,7 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
          reshard_after_forward: ReshardSpec = None, batch: int | None = None,
          seq: int | None = None, activation_checkpointing: bool = False,
          example_inputs: InputsFn | None = None, nodes: int | None = None,
-         threads_per_rank: int | None = None) -> Plan:
+         threads_per_rank: int | None = None, quantize: Quantization | None = None) -> Plan:
     """Predict per-rank memory and bytes sent per step for `model` sharded as shard() would.
 
     The model may live on the meta device (nothing is allocated; a 70B config plans in seconds).
@@ -138,6 +139,8 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
       activation_checkpointing=True simulates shardkit.wrap.checkpoint_layers on every unit
       below the root. The step is the real one: shard() and the optimizer run on a meta copy
       of the model under a backend that moves no bytes (planner/rehearsal.py).
+    - quantize: shardkit.Quantization, as for shard(): the quantized collectives' bytes (int8
+      codes plus a 4-byte scale per block) in comm, and their buffers in the rehearsed step.
     - threads_per_rank: intra-op threads per rank (default this process's), for kernels whose
       scratch grows with them (Capabilities.kernel_workspace).
     The returned Plan's docstring says what its peak includes.
@@ -145,7 +148,8 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     if not isinstance(model, nn.Module):
         raise ShardkitError(f"plan() needs an nn.Module, got {type(model).__name__}")
     world = _positive_int("world_size", world_size)
-    config = ShardConfig.build(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size)
+    config = ShardConfig.build(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
+                               quantization=quantize)
     strat, mp = config.strategy, config.mixed_precision
     n_states = state_tensors(optimizer)
     if hybrid_group_size is not None:
@@ -163,7 +167,7 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     # The engine's own normalisation: the same values, defaults and errors as shard().
     per_unit = dict(zip(names, resolve(reshard_after_forward, units, config, group)))
     rows, split, stats = _rows_and_traffic(units, names, per_unit, group, replicas, align,
-                                           direct, config, n_states)
+                                           direct, config, n_states, per_node)
     result = _assemble(rows, split, stats, world, strat, group, replicas, align, optimizer, mp,
                        bool(cpu_offload), prefetch)
     if nodes is not None:
@@ -178,7 +182,7 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     batch = _positive_int("batch", batch)
     options = dict(auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
                    prefetch=prefetch, hybrid_group_size=group if replicas > 1 else None,
-                   reshard_after_forward=reshard_after_forward)
+                   reshard_after_forward=reshard_after_forward, quantize=quantize)
     target = plan_target(backend, shard_alignment)
     workload = Workload(model, None if seq is None else _positive_int("seq", seq), example_inputs,
                         options, optimizer, target, threads(threads_per_rank))
@@ -213,7 +217,8 @@ def step_plan(static: Plan, timeline: Timeline, target: Target, batch: int, seq:
 
 def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[str, bool | int],
                       group: int, replicas: int, align: int, direct: int | None,
-                      config: ShardConfig, n_states: int) -> tuple[list[UnitRow], dict[str, int], CommStats]:
+                      config: ShardConfig, n_states: int,
+                      per_node: int) -> tuple[list[UnitRow], dict[str, int], CommStats]:
     stats = CommStats()
     split = {"params": 0, "grads": 0, "optimizer": 0}
     rows: list[UnitRow] = []
@@ -222,30 +227,47 @@ def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[st
         return collective_buckets(params, lambda p: p.compute_dtype, direct)
 
     calls: list[list[tuple[str, int, int]]] = [[] for _ in units]  # per unit, in issue order
+    quant = config.quantization
 
     def issue(unit: int, kind: str, nbytes: int, size: int) -> None:
-        getattr(stats, "all_gather" if kind.endswith("gather") else kind)(nbytes, size)
+        counted = stat_kind(kind)
+        if kind.startswith("a2a_"):
+            stats.all_to_all(counted, nbytes, size)
+        elif kind.endswith("gather"):
+            stats.all_gather(nbytes, size, kind=counted)
+        else:
+            getattr(stats, kind)(nbytes, size)
         calls[unit].append((kind, nbytes, size))
+
+    def gathered_bytes(bucket) -> int:
+        row = sum(p.shard for p in bucket.params)
+        if quant.weights and group > 1:
+            return payload_bytes(row, quant.block_size)
+        return row * bucket.dtype.itemsize
 
     for i, params in enumerate(layouts):  # forward: every unit is gathered once
         for bucket in gathers(params):
-            issue(i, "forward_gather", sum(p.shard for p in bucket.params) * bucket.dtype.itemsize,
-                  group)
+            issue(i, "forward_gather", gathered_bytes(bucket), group)
     for i in reversed(range(len(units))):  # backward, root first
         params, reshard = layouts[i], per_unit[names[i]]
         for bucket in gathers(params):
             size = bucket.dtype.itemsize
             if reshard is True:
-                issue(i, "backward_gather", sum(p.shard for p in bucket.params) * size, group)
+                issue(i, "backward_gather", gathered_bytes(bucket), group)
             elif reshard is not False:  # kept 1/k slices, gathered back inside k ranks
                 issue(i, "backward_gather", sum(p.padded // reshard for p in bucket.params) * size,
                       reshard)
         trainable = [p for p in params if p.trainable]
         for bucket in collective_buckets(trainable, lambda p: p.reduce_dtype, direct):
-            out_bytes = sum(p.shard for p in bucket.params) * bucket.dtype.itemsize
-            issue(i, "reduce_scatter", out_bytes, group)
+            row = sum(p.shard for p in bucket.params)
+            if quant.gradients:
+                for kind, chunk, size in quantized_reduction(row, group, replicas, per_node,
+                                                             quant.block_size):
+                    issue(i, kind, chunk, size)
+                continue
+            issue(i, "reduce_scatter", row * bucket.dtype.itemsize, group)
             if replicas > 1:
-                issue(i, "all_reduce", out_bytes, replicas)
+                issue(i, "all_reduce", row * bucket.dtype.itemsize, replicas)
         name = names[i]
         # Shards and the optimizer live in the master dtype; reduced grads are cast to it too.
         shard_bytes = sum(p.shard * p.master_bytes for p in params)
@@ -269,6 +291,25 @@ def _rows_and_traffic(units: list[UnitPlan], names: list[str], per_unit: dict[st
             grad_shard_bytes=trainable_shard, collectives=tuple(calls[i])))
     rows.reverse()  # the engine's unit order: bottom-up, root last
     return rows, split, stats
+
+
+def quantized_reduction(row: int, group: int, replicas: int, per_node: int,
+                        block: int) -> list[tuple[str, int, int]]:
+    """(call kind, chunk bytes per peer, ranks) of one bucket's quantized reduction, as the engine
+    issues it: the shard group's all-to-all (in two hops where it spans nodes), then the
+    replicas' all-to-all and all-gather of 1/replicas slices."""
+    calls = []
+    if group > 1:
+        if 1 < per_node < group and group % per_node == 0:
+            nodes = group // per_node
+            calls += [("a2a_node", nodes * payload_bytes(row, block), per_node),
+                      ("a2a_across", payload_bytes(row, block), nodes)]
+        else:
+            calls.append(("a2a_reduce_scatter", payload_bytes(row, block), group))
+    if replicas > 1:
+        width = payload_bytes(-(-row // replicas), block)
+        calls += [("a2a_all_reduce", width, replicas), ("all_reduce_gather", width, replicas)]
+    return calls
 
 
 def _peak(rows: list[UnitRow], persistent_device: int, prefetch: int) -> int:

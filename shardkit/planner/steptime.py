@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..errors import ShardkitError
 from .result import Plan
+from .nodes import QUANTIZED_KINDS
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,10 @@ class StepTime:
         return self.overlapped_s - self.compute_s
 
 
+# The gradient reductions' call kinds, exact and quantized (planner/nodes.py).
+REDUCTIONS = ("reduce_scatter", "all_reduce", *QUANTIZED_KINDS)
+
+
 def collective_seconds(kind: str, nbytes: int, group: int, link: Link) -> float:
     """Ring time of one collective; nbytes as comm_stats counts it (see UnitRow.collectives)."""
     if group <= 1:
@@ -103,7 +108,9 @@ def collective_seconds(kind: str, nbytes: int, group: int, link: Link) -> float:
     steps = group - 1
     if kind == "all_reduce":  # a reduce-scatter then an all-gather of n / p chunks
         return 2 * steps * (link.latency_s + nbytes / group / link.bandwidth)
-    if kind in ("forward_gather", "backward_gather"):
+    if kind in ("forward_gather", "backward_gather", "all_reduce_gather"):
+        return steps * (link.latency_s + nbytes / link.bandwidth)
+    if kind in QUANTIZED_KINDS:  # an all-to-all: one chunk of nbytes to each peer
         return steps * (link.latency_s + nbytes / link.bandwidth)
     if kind == "reduce_scatter":
         return link.reduce_scatter_factor * steps * (link.latency_s + nbytes / link.bandwidth)
@@ -122,8 +129,8 @@ def step_time(plan: Plan, times: UnitTimes, topology: Topology, host_bound: bool
                 for kind, nbytes, group in units[unit].collectives if kind in kinds]
 
     compute = sum(times.forward_s) + sum(times.backward_s) + optimizer
-    communication = sum(sum(seconds(i, ("forward_gather", "backward_gather", "reduce_scatter",
-                                         "all_reduce"))) for i in range(len(units)))
+    communication = sum(sum(seconds(i, ("forward_gather", "backward_gather", *REDUCTIONS)))
+                        for i in range(len(units)))
     overlapped = _Schedule(plan, times, seconds, host_bound).run() + optimizer
     return StepTime(plan.world_size, compute, communication, compute + communication, overlapped)
 
@@ -172,7 +179,7 @@ class _Schedule:
         for i in reversed(layers):
             self._gather(layers[i::-1], "backward_gather")
             end = self._compute(self.times.backward_s[i], self.gathered[i])
-            reduced = self._collectives(self.seconds(i, ("reduce_scatter", "all_reduce")), end)
+            reduced = self._collectives(self.seconds(i, REDUCTIONS), end)
         # The root's gradients (embedding) are complete last.
-        reduced = self._collectives(self.seconds(root, ("reduce_scatter", "all_reduce")), end)
+        reduced = self._collectives(self.seconds(root, REDUCTIONS), end)
         return max(end, reduced)

@@ -259,14 +259,16 @@ def start_reduce_scatter(params: Sequence[ShardedParam], inp: torch.Tensor, devi
 
 def _start_quantized_scatter(rows: torch.Tensor, group: Group, backend: Backend,
                              stats: CommStats | None, block: int,
-                             per_peer: int = 1) -> tuple[Work, torch.Tensor]:
+                             per_peer: int = 1,
+                             kind: str = "reduce_scatter") -> tuple[Work, torch.Tensor]:
     """Encode each row as int8 blocks and start the all-to-all, `per_peer` consecutive rows to
     each group rank; return it and the received payload (rank r's rows for this rank, in order)."""
     with trace_range("shardkit::quantize"):
         sent = encode_rows(rows, block)
     received = torch.empty_like(sent)
     if stats is not None:
-        stats.all_to_all("reduce_scatter", sent.shape[1] * per_peer, group)
+        stats.all_to_all(kind, sent.shape[1] * per_peer, group.size,
+                         stats.peers_elsewhere(group))
     with trace_range("shardkit::reduce_scatter"):
         work = backend.all_to_all_single(received.view(-1), sent.view(-1), group, async_op=True)
     # The send buffer must outlive the collective: the work keeps no reference of its own on
@@ -330,7 +332,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group: Group, backend: Backend,
     width = -(-numel // size)
     rows = torch.nn.functional.pad(tensor.reshape(-1).float(), (0, size * width - numel))
     pending, received = _start_quantized_scatter(rows.view(size, width), group, backend, stats,
-                                                 block)
+                                                 block, kind="all_reduce")
     pending.wait()
     mine = _apply_op(decode_rows(received, width, block).sum(dim=0), op, factor, size)
     gathered = torch.empty(size, payload_bytes(width, block), dtype=torch.uint8,

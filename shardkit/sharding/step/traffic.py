@@ -56,7 +56,7 @@ class CommStats:
     def all_gather(self, shard_bytes: int, group_size: int, crosses_node: bool = False,
                    kind: str = "all_gather") -> None:
         """Record an all-gather: a ring sends (N-1) shards per rank (counted under `kind`)."""
-        self._add(kind, group_size, shard_bytes, crosses_node)
+        self._add(kind, group_size, shard_bytes, crosses_node, formula="all_gather")
 
     def reduce_scatter(self, shard_bytes: int, group_size: int, crosses_node: bool = False) -> None:
         """Record a reduce-scatter: a ring sends (N-1) output-sized chunks per rank."""
@@ -66,23 +66,30 @@ class CommStats:
         """Record an all-reduce: reduce-scatter + all-gather, 2(N-1)/N of the tensor per rank."""
         self._add("all_reduce", group_size, nbytes, crosses_node)
 
-    def all_to_all(self, kind: str, chunk_bytes: int, group: Any) -> None:
+    def peers_elsewhere(self, group: Any) -> int:
+        """How many members of `group` (a Group) live on another node than this rank."""
+        return peers_off_node(group.ranks, group.rank, self.ranks_per_node)
+
+    def all_to_all(self, kind: str, chunk_bytes: int, group_size: int,
+                   peers_elsewhere: int = 0) -> None:
         """Record an all-to-all sending one `chunk_bytes` chunk to each peer, counted under `kind`
-        (the reduction it serves): its inter-node bytes are exact, one chunk per peer elsewhere."""
-        if group.size > 1:
-            self.bytes[kind] += (group.size - 1) * chunk_bytes
-            self.inter_node[kind] += chunk_bytes * peers_off_node(group.ranks, group.rank,
-                                                                  self.ranks_per_node)
+        (the reduction it serves): its inter-node bytes are exact, a chunk per peer elsewhere."""
+        logger.debug("all-to-all (%s) of %d-byte chunks over %d rank(s)", kind, chunk_bytes,
+                     group_size)
+        if group_size > 1:
+            self.bytes[kind] += (group_size - 1) * chunk_bytes
+            self.inter_node[kind] += chunk_bytes * peers_elsewhere
             self.calls[kind] += 1
 
     def note_in_flight(self, count: int) -> None:
         """Remember the largest number of prefetched all-gathers in flight together."""
         self.peak_prefetch_in_flight = max(self.peak_prefetch_in_flight, count)
 
-    def _add(self, kind: str, group_size: int, payload: int, crosses_node: bool) -> None:
+    def _add(self, kind: str, group_size: int, payload: int, crosses_node: bool,
+             formula: str | None = None) -> None:
         logger.debug("%s of %d bytes per rank over %d rank(s)", kind, payload, group_size)
         if group_size > 1:
-            sent = bytes_sent(kind, payload, group_size)
+            sent = bytes_sent(formula or kind, payload, group_size)
             self.bytes[kind] += sent
             if crosses_node:
                 self.inter_node[kind] += sent
