@@ -132,6 +132,7 @@ FULLGRAPH_OPTIONS = {
     "HYBRID_SHARD": {"strategy": "HYBRID_SHARD", "hybrid_group_size": 1},
     "reshard_to_2": {"reshard_after_forward": 2},
     "bf16": {"mixed_precision": "bf16"},
+    "quantized": {"quantize": "both"},
 }
 
 
@@ -207,6 +208,8 @@ def _options_from(options: dict) -> dict:
     if options.get("mixed_precision") == "bf16":
         options["mixed_precision"] = shardkit.MixedPrecision(param_dtype=torch.bfloat16,
                                                              reduce_dtype=torch.float32)
+    if options.get("quantize") == "both":
+        options["quantize"] = shardkit.Quantization(weights=True, gradients=True)
     if options.get("mixed_precision") == "buffers":
         options["mixed_precision"] = shardkit.MixedPrecision(buffer_dtype=torch.float64)
     return options

@@ -127,3 +127,72 @@ def gathered_weight(rank: int, world: int) -> dict:
             "vs_exact": (seen[0] - exact).abs().max().item(),
             "master_exact": (shardkit.full_tensor(model.body.weight) - exact).abs().max().item(),
             "gathers": shardkit.comm_stats(model)["all_gather"]}
+
+
+SETTINGS = {"weights": Quantization(weights=True), "gradients": Quantization(gradients=True),
+            "both": Quantization(weights=True, gradients=True)}
+
+
+def training(rank: int, world: int, runs: list[tuple[str, str, dict]]) -> dict:
+    """parity_run (5 SGD steps beside an unsharded reference on the global batch) per (strategy,
+    setting, extra shard kwargs); with each run's final parameters' digest, to compare ranks."""
+    from _sharding_workers import full_params, parity_run
+
+    out = {}
+    for strategy, setting, extra in runs:
+        kept: list = []
+        kwargs = {**extra, "quantize": SETTINGS[setting]} if setting != "exact" else dict(extra)
+        result = parity_run(rank, strategy, world, kwargs, optimizer="sgd",
+                            setup=kept.append)
+        params = full_params(kept[0])
+        digest = [float(v.double().sum()) for _, v in sorted(params.items())]
+        out[f"{strategy}/{setting}/{sorted(extra)}"] = {"diffs": result["diffs"],
+                                                        "digest": digest}
+    return out
+
+
+def mixed_precision_training(rank: int, world: int) -> dict:
+    """bf16 compute + fp32 reduce, 5 SGD steps, quantized both ways and unquantized from the same
+    weights and batches: the largest weight difference after each step."""
+    from _models import Block, TinyNet, batch
+    from _sharding_workers import full_params
+
+    mp = shardkit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    models, opts = [], []
+    for q in (None, SETTINGS["both"]):
+        torch.manual_seed(0)
+        models.append(shardkit.shard(TinyNet(), mixed_precision=mp, quantize=q,
+                                     auto_wrap_policy=shardkit.wrap.transformer_layers({Block})))
+        opts.append(torch.optim.SGD(models[-1].parameters(), lr=1e-2))
+    diffs = []
+    for step in range(5):
+        x, y = batch(step, rank)
+        for model, opt in zip(models, opts):
+            F.cross_entropy(model(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+        exact, quantized = (full_params(m) for m in models)
+        diffs.append(max((exact[k] - quantized[k]).abs().max().item() for k in exact))
+    return {"diffs": diffs}
+
+
+def step_bytes(rank: int, world: int, cases: list, settings: list) -> dict:
+    """comm_stats of the second AdamW step of a TinyNet per (strategy, hybrid group) x setting."""
+    from _models import Block, TinyNet, batch
+
+    out = {}
+    for strategy, group in cases:
+        for q in settings:
+            torch.manual_seed(0)
+            model = shardkit.shard(TinyNet(), strategy=strategy, quantize=q,
+                                   auto_wrap_policy=shardkit.wrap.transformer_layers({Block}),
+                                   **({"hybrid_group_size": group} if group else {}))
+            opt = torch.optim.AdamW(model.parameters())
+            for step in range(2):
+                shardkit.comm_stats(model, reset=True)
+                x, y = batch(step, rank)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            out[f"{strategy}/{q}"] = shardkit.comm_stats(model)
+    return out

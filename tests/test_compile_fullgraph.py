@@ -21,7 +21,9 @@ def _check(name: str, world: int = 2) -> None:
         assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-6, abs=0)
         assert compiled["gathered"] == eager["gathered"]
         # Both against the unsharded model trained on the whole global batch in one process.
-        tol = 2e-3 if name == "bf16" else 1e-5
+        # Quantized collectives (int8 blocks) move each weight by about a step of its block's
+        # int8 grid per SGD step; measured 1.1e-3 over these 5 steps (compiled == eager exactly).
+        tol = 2e-3 if name in ("bf16", "quantized") else 1e-5
         for key, expected in result["reference"].items():
             assert compiled["weights"][key].float() == pytest.approx(expected, abs=tol), key
     if name in ("FULL_SHARD", "SHARD_GRAD_OP") and world == 2:
