@@ -55,12 +55,18 @@ def compile_count() -> int:
     return int(data[0]) if data else 0
 
 
-def engine_parity(rank: int, world: int, strategy: str, optimizer: str) -> dict:
-    """Train sharded on XLA and unsharded on CPU (global batch) side by side; per-step differences."""
+def engine_parity(rank: int, world: int, strategy: str, optimizer: str,
+                  quantize: bool = False) -> dict:
+    """Train sharded on XLA and unsharded on CPU (global batch) side by side; per-step differences.
+
+    quantize: gathers and reductions as int8 blocks (shardkit.Quantization, both).
+    """
     ctx = shardkit.current_context()
     ref, model = reference_and_copy(seed=0)
     model = shardkit.shard(model, strategy=strategy,
-                           auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+                           auto_wrap_policy=shardkit.wrap.transformer_layers({Block}),
+                           quantize=shardkit.Quantization(weights=True, gradients=True)
+                           if quantize else None)
     make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
             "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}[optimizer]
     opt, ref_opt = make(model.parameters()), make(ref.parameters())

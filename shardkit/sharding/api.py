@@ -48,6 +48,7 @@ def _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
             param_init_fn, backend: Backend, quantize: Quantization | None = None) -> ShardConfig:
     config = ShardConfig.build(strategy, mixed_precision, cpu_offload, prefetch,
                                hybrid_group_size, param_init_fn, quantize)
+    _check_quantization(config, backend)
     mp = config.mixed_precision
     for field_name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
         dtype = getattr(mp, field_name)
@@ -56,6 +57,18 @@ def _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
                                 f"(MixedPrecision.{field_name}); HINT: use one of "
                                 f"{sorted(str(d) for d in backend.capabilities.supported_dtypes)}")
     return config
+
+
+def _check_quantization(config: ShardConfig, backend: Backend) -> None:
+    """Refuse quantized reductions where the backend has no all-to-all to move them with."""
+    inherited = getattr(type(backend), "all_to_all_single", None) is Backend.all_to_all_single
+    if (config.quantization.gradients and inherited
+            and not backend.capabilities.torch_process_group):
+        raise ShardkitError(
+            f"Quantization(gradients=True) moves int8 blocks with an all-to-all, and backend "
+            f"{backend.name!r} has none (its collectives do not run on a torch process group and "
+            "it does not override Backend.all_to_all_single); HINT: quantize the weights only "
+            "(Quantization(weights=True)), or implement all_to_all_single in the backend plugin")
 
 
 def _check_not_sharded(model: nn.Module) -> None:

@@ -189,6 +189,27 @@ def check_all_gather(c: Checker) -> None:
 
 
 @_check
+def check_all_to_all(c: Checker) -> None:
+    """all_to_all_single sends the i-th equal slice of the input to rank i, for the int8 payloads of
+    quantized reductions (shardkit.Quantization) and for floats; async handles too."""
+    n = 6
+    codes = [torch.arange(c.size * n, dtype=torch.int64).remainder(251) + 3 * r
+             for r in range(c.size)]
+    for async_op in (False, True):
+        out = torch.zeros(c.size * n, dtype=torch.uint8, device=c.ctx.device)
+        mine = codes[c.rank].to(torch.uint8).to(c.ctx.device)
+        c.be.all_to_all_single(out, mine, c.ctx.world, async_op=async_op).wait()
+        expected = torch.cat([codes[r][c.rank * n:(c.rank + 1) * n] for r in range(c.size)])
+        c.expect_equal(out, expected.to(torch.uint8), f"all_to_all uint8 (async_op={async_op})")
+    out = c.blank(c.size * n, torch.float32)
+    c.be.all_to_all_single(out, c.put(values(c.rank, c.size * n), torch.float32),
+                           c.ctx.world).wait()
+    expected = torch.cat([values(r, c.size * n)[c.rank * n:(c.rank + 1) * n]
+                          for r in range(c.size)])
+    c.expect_equal(out, expected, "all_to_all float32")
+
+
+@_check
 def check_engine_call_shapes(c: Checker) -> None:
     """The calls the engine itself makes (sharding/step/collectives.py), beyond the plain ones above:
     an in-place all-gather whose input is this rank's row of the output (sync and async), and a
