@@ -1,4 +1,4 @@
-"""FULL_SHARD vs HYBRID_SHARD vs DDP across two simulated nodes whose link is capped (needs root).
+"""FULL_SHARD vs HYBRID_SHARD vs DDP (and quantized modes) across two capped simulated nodes (root).
 
     python benchmarks/bench_multinode.py --model gpt2-small --rate 1gbit --nproc 2 --steps 3
 
@@ -24,7 +24,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-MODES = {"full": "shardkit-full", "hybrid": "shardkit-hybrid", "ddp": "ddp"}
+MODES = {"full": "shardkit-full", "hybrid": "shardkit-hybrid", "ddp": "ddp",
+         "full-q": "shardkit-full", "hybrid-q": "shardkit-hybrid"}
+# Modes ending in -q send weights and gradients as int8 blocks (shardkit.Quantization).
+QUANTIZED = {"full-q", "hybrid-q"}
 
 
 def _link_tx() -> int:
@@ -46,7 +49,9 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model, units = build(args.model)
     batches = make_batches(args.model, model, args.batch, args.seq, ctx.rank, ctx.device)
-    model = wrap(model, MODES[args.mode], ctx, units, torch.float32)
+    quantize = (shardkit.Quantization(weights=True, gradients=True) if args.mode in QUANTIZED
+                else None)
+    model = wrap(model, MODES[args.mode], ctx, units, torch.float32, quantize=quantize)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(i: int) -> None:
@@ -107,8 +112,10 @@ def planned(args: argparse.Namespace, mode: str) -> int | None:
 
     model, units = build(args.model)
     plan = shardkit.plan(model, world_size=2 * args.nproc, nodes=2, optimizer="adamw",
-                         strategy="FULL_SHARD" if mode == "full" else "HYBRID_SHARD",
-                         auto_wrap_policy=transformer_layers(set(units)))
+                         strategy="FULL_SHARD" if mode.startswith("full") else "HYBRID_SHARD",
+                         auto_wrap_policy=transformer_layers(set(units)),
+                         quantize=shardkit.Quantization(weights=True, gradients=True)
+                         if mode in QUANTIZED else None)
     return sum(r["total"] for r in plan.comm["inter_node_by_rank"])
 
 
@@ -118,7 +125,8 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=sorted(MODES), default="full")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--modes", default="full,hybrid,ddp")
+    ap.add_argument("--modes", default="full,hybrid,ddp",
+                    help="comma-separated: full, hybrid, ddp, full-q, hybrid-q (quantized)")
     ap.add_argument("--model", default="gpt2-small")
     ap.add_argument("--nproc", type=int, default=2, help="ranks per node")
     ap.add_argument("--batch", type=int, default=2)

@@ -99,8 +99,10 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 # ---- wrapping --------------------------------------------------------------------------------------
-def wrap(model: nn.Module, mode: str, ctx, unit_classes: tuple, dtype: torch.dtype) -> nn.Module:
-    """Apply the distributed wrapper `mode` names; units are instances of `unit_classes`."""
+def wrap(model: nn.Module, mode: str, ctx, unit_classes: tuple, dtype: torch.dtype,
+         quantize=None) -> nn.Module:
+    """Apply the distributed wrapper `mode` names; units are instances of `unit_classes`
+    (`quantize`: a shardkit.Quantization for the shardkit modes)."""
     low = dtype != torch.float32
     if mode in SHARDKIT_MODES:
         import shardkit
@@ -114,7 +116,8 @@ def wrap(model: nn.Module, mode: str, ctx, unit_classes: tuple, dtype: torch.dty
                                                                 reduce_dtype=torch.float32)
         return shardkit.shard(model, strategy=shardkit.ShardingStrategy[strategy],
                               auto_wrap_policy=shardkit.wrap.transformer_layers(unit_classes),
-                              prefetch=prefetch, backend=ctx.backend, **kwargs)
+                              prefetch=prefetch, backend=ctx.backend, quantize=quantize,
+                              **kwargs)
     if mode == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -58,7 +58,7 @@ def test_shardkit_plan_cli_takes_nodes():
                            "gpt2", "--world-size", "8", "--nodes", "2", "--strategy",
                            "HYBRID_SHARD"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "sent to another node per step (2 nodes, ring order)" in done.stdout
+    assert "sent to another node per step (2 nodes, ring order; all-to-alls by peer)" in done.stdout
 
 
 def test_gloo_interface_is_chosen_only_across_nodes_with_a_loopback_host_name():

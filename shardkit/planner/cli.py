@@ -18,6 +18,16 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+
+def quantization(which: str | None, block: int) -> Any:
+    """The shard() option --quantize names (None: exact collectives)."""
+    if which is None:
+        return None
+    from ..sharding.policies import Quantization
+
+    return Quantization(weights=which in ("weights", "both"),
+                        gradients=which in ("gradients", "both"), block_size=block)
+
 def _number(text: str) -> float:
     """`text` as a float; NaN (which every range check refuses) when it is not a number."""
     try:
@@ -136,6 +146,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--mixed-precision", default="fp32", choices=PRECISION_NAMES,
                    help="bf16/fp16: compute in that dtype, reduce in fp32")
     p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--quantize", default=None, choices=("weights", "gradients", "both"),
+                   help="send the weight all-gathers and/or gradient reductions as int8 blocks "
+                        "(shardkit.Quantization)")
+    p.add_argument("--quantize-block", type=positive_int, default=256, metavar="N",
+                   help="elements per fp32 scale of --quantize (default 256)")
     p.add_argument("--optimizer", default="adam", choices=sorted(STATE_TENSORS_PER_PARAM))
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--reshard-after-forward", type=_reshard, default=None,
@@ -199,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
     options = dict(auto_wrap_policy=wrap_by_class_names(model, wrap_names),
                    mixed_precision=mixed_precision(args.mixed_precision), optimizer=args.optimizer,
                    hybrid_group_size=args.hybrid_group_size, backend=args.backend,
-                   prefetch=args.prefetch, nodes=args.nodes, threads_per_rank=args.threads_per_rank)
+                   prefetch=args.prefetch, nodes=args.nodes, threads_per_rank=args.threads_per_rank,
+                   quantize=quantization(args.quantize, args.quantize_block))
     heading = (f"model: {type(model).__name__}; units: "
                f"{', '.join(sorted(wrap_names)) or 'the root module only'}")
     if args.step_time is not None and (args.device_memory is not None or args.world_size == "auto"):
@@ -241,7 +257,8 @@ def _measure(args: argparse.Namespace, result: Any, wrap_names: list[str]) -> in
     shard_kwargs = dict(strategy=args.strategy, cpu_offload=args.cpu_offload,
                         reshard_after_forward=args.reshard_after_forward,
                         mixed_precision=mixed_precision(args.mixed_precision),
-                        hybrid_group_size=args.hybrid_group_size, prefetch=args.prefetch)
+                        hybrid_group_size=args.hybrid_group_size, prefetch=args.prefetch,
+                        quantize=quantization(args.quantize, args.quantize_block))
     spec = MeasureSpec(source, shard_kwargs, args.ac, args.optimizer, args.batch,
                        args.seq or 1)
     measured = spawn(measured_peak, args.world_size, spec, backend=args.backend,

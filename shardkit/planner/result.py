@@ -131,8 +131,8 @@ class Plan:
         per_rank = [r["total"] for r in self.comm["inter_node_by_rank"]]
         shown = ", ".join(f"rank {i} {_size(b)}" for i, b in enumerate(per_rank[:8]))
         more = f", ... ({len(per_rank)} ranks)" if len(per_rank) > 8 else ""
-        return (f"sent to another node per step ({self.comm['nodes']} nodes, ring order): "
-                f"{_size(sum(per_rank))} in all; {shown}{more}")
+        return (f"sent to another node per step ({self.comm['nodes']} nodes, ring order; "
+                f"all-to-alls by peer): {_size(sum(per_rank))} in all; {shown}{more}")
 
 
 def _row_key(u: UnitRow) -> tuple:
