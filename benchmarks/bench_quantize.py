@@ -124,23 +124,38 @@ def commit() -> str:
 
 
 def plot(curves: dict[str, list[float]], floor: float, path: str) -> None:
-    """Loss per step of every setting (smoothed over 10 steps), with the chain's entropy."""
+    """Loss per step of every setting (smoothed over 10 steps) with the chain's entropy, and
+    below it each setting's difference from the exact run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    def smooth(values: list[float]) -> list[float]:
+        return [sum(values[max(0, i - 9):i + 1]) / len(values[max(0, i - 9):i + 1])
+                for i in range(len(values))]
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                      gridspec_kw={"height_ratios": [2, 1]})
+    colors = {}
     for name, losses in curves.items():
-        smooth = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1])
-                  for i in range(len(losses))]
-        ax.plot(smooth, label=name)
-    ax.axhline(floor, color="grey", linestyle=":", label="entropy rate (floor)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/token)")
-    ax.set_yscale("log")
-    ax.legend()
-    ax.set_title("int8 block-quantized collectives vs exact (HYBRID 2 x 2)")
+        (line,) = top.plot(smooth(losses), label=name)
+        colors[name] = line.get_color()
+    top.axhline(floor, color="grey", linestyle=":", label="entropy rate (floor)")
+    top.set_ylabel("training loss (nats/token)")
+    top.set_yscale("log")
+    top.legend()
+    top.set_title("int8 block-quantized collectives vs exact (HYBRID 2 x 2)")
+    exact = curves.get("exact")
+    if exact is not None:
+        for name, losses in curves.items():
+            if name != "exact":
+                bottom.plot(smooth([q - e for q, e in zip(losses, exact)]), label=name,
+                            color=colors[name])
+        bottom.axhline(0.0, color="grey", linewidth=0.5)
+        bottom.set_ylabel("loss - exact's")
+        bottom.legend()
+    bottom.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -165,7 +165,9 @@ class RehearsalBackend(Backend):
     @override
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                                async_op: bool = False) -> Work:
-        """Done at once: the output's bytes are the engine's, already counted."""
+        """Done at once; the output's size is noted (a quantized gather's payload is let go
+        after decoding, and the library may hold it a while longer)."""
+        self._reduced(output)
         return CompletedWork()
 
     @override
@@ -179,8 +181,9 @@ class RehearsalBackend(Backend):
     @override
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                           async_op: bool = False) -> Work:
-        """Done at once; the input's size is noted (a quantized reduction's payload)."""
-        self._reduced(input)
+        """Done at once; the sizes of both buffers are noted (a quantized reduction's payloads,
+        sent and received, held by one library handle and let go together)."""
+        self._reduced(input, also=output)
         return CompletedWork()
 
     @override
@@ -190,14 +193,17 @@ class RehearsalBackend(Backend):
         self._reduced(tensor)
         return CompletedWork()
 
-    def _reduced(self, tensor: torch.Tensor) -> None:
+    def _reduced(self, tensor: torch.Tensor, also: torch.Tensor | None = None) -> None:
         key = tensor.untyped_storage()._cdata
         number = self.tracker.allocation_of(key) if self.tracker is not None else None
         if number is not None:
-            self._reduced_inputs[number] = (tensor.numel() * tensor.element_size(), key)
+            nbytes = tensor.numel() * tensor.element_size()
+            if also is not None:  # a second buffer the same library handle holds
+                nbytes += also.numel() * also.element_size()
+            self._reduced_inputs[number] = (nbytes, key)
 
     def largest_let_go(self) -> int:
-        """The largest input of a reduction that the engine let go of (its last reference
+        """The largest tensor of a collective that the engine let go of (its last reference
         dropped, not freed in place and not kept in its buffer pool): what a library thread that
         releases tensors late could still hold."""
         assert self.tracker is not None

@@ -25,7 +25,7 @@ from .result import Plan
 
 # shard()'s options a plan passes through unchanged to the rehearsal.
 SHARD_OPTIONS = ("auto_wrap_policy", "mixed_precision", "prefetch", "hybrid_group_size",
-                 "reshard_after_forward")
+                 "reshard_after_forward", "quantize")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from ...backend import Backend
-from ...handles import Group, ReduceOp, Work
+from ...handles import CompletedWork, Group, ReduceOp, Work
 from .buffers import BufferPool
 from .traffic import CommStats
 from .param import ShardedParam
@@ -301,9 +301,10 @@ class _KeepAlive:
     sent: torch.Tensor | None
 
     def wait(self) -> None:
-        """Wait for the collective, then let the send buffer go."""
+        """Wait for the collective, then let go of the send buffer and of the library's handle
+        (which may reference both buffers for as long as it lives)."""
         self.work.wait()
-        self.sent = None
+        self.work, self.sent = CompletedWork(), None
 
     def is_completed(self) -> bool:
         """Whether the collective finished."""

@@ -42,7 +42,8 @@ def encode_rows(rows: torch.Tensor, block: int, out: torch.Tensor | None = None)
     scales = padded.abs().amax(dim=2) / INT8_LEVELS
     # An all-zero block keeps scale 0 (it decodes to zeros); dividing by 1 there avoids 0/0.
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(padded / safe.unsqueeze(2)).clamp_(-INT8_LEVELS, INT8_LEVELS)
+    # One fp32 temporary the size of the rows: divided, rounded and clamped in place.
+    codes = padded.div(safe.unsqueeze(2)).round_().clamp_(-INT8_LEVELS, INT8_LEVELS)
     if out is None:
         out = torch.empty(count, payload_bytes(numel, block), dtype=torch.uint8,
                           device=rows.device)
