@@ -111,7 +111,10 @@ def planned(args: argparse.Namespace, mode: str) -> int | None:
     from shardkit.wrap import transformer_layers
 
     model, units = build(args.model)
+    # backend="cpu": its direct collectives decide the buckets, and a quantized bucket's bytes
+    # depend on them (each is padded to whole blocks).
     plan = shardkit.plan(model, world_size=2 * args.nproc, nodes=2, optimizer="adamw",
+                         backend="cpu",
                          strategy="FULL_SHARD" if mode.startswith("full") else "HYBRID_SHARD",
                          auto_wrap_policy=transformer_layers(set(units)),
                          quantize=shardkit.Quantization(weights=True, gradients=True)

@@ -13,6 +13,7 @@ reduced).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -170,6 +171,7 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
                                            direct, config, n_states, per_node)
     result = _assemble(rows, split, stats, world, strat, group, replicas, align, optimizer, mp,
                        bool(cpu_offload), prefetch)
+    result = dataclasses.replace(result, quantized=_quantized(config.quantization))
     if nodes is not None:
         calls = [c for row in rows for c in row.collectives]
         result.comm["nodes"] = nodes
@@ -345,6 +347,12 @@ def _assemble(rows: list[UnitRow], split: dict[str, int], stats: CommStats, worl
                 persistent_device=device, persistent_host=persistent["total"] - device,
                 largest_unit=largest.name, largest_unit_bytes=largest.unsharded_bytes,
                 peak_bytes=_peak(rows, device, prefetch), comm=comm)
+
+
+def _quantized(quant: Quantization) -> str:
+    """What the plan's line says travels as int8 blocks ("" for nothing)."""
+    what = [name for name, on in (("weights", quant.weights), ("gradients", quant.gradients)) if on]
+    return f"{' + '.join(what)} (block {quant.block_size})" if what else ""
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:

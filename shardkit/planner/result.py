@@ -78,6 +78,7 @@ class Plan:
     activation_checkpointing: bool = False
     step_bytes: int | None = None  # see the class docstring
     margin_bytes: int | None = None  # of peak_bytes: added for what the rehearsal cannot see
+    quantized: str = ""  # what travels as int8 blocks (shardkit.Quantization), "" for nothing
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-friendly builtins (units as a list of dicts)."""
@@ -106,7 +107,8 @@ class Plan:
                 f"{self.shard_group_size}, replicas {self.replica_group_size})\n"
                 f"compute {self.param_dtype or 'as stored'}, reduce "
                 f"{self.reduce_dtype or 'as stored'}, optimizer {self.optimizer}"
-                f"{', cpu_offload' if self.cpu_offload else ''}, prefetch {self.prefetch}")
+                f"{', cpu_offload' if self.cpu_offload else ''}, prefetch {self.prefetch}"
+                f"{', int8 blocks: ' + self.quantized if self.quantized else ''}")
         rows = _collapsed(self.units)
         width = max([4] + [len(r[0]) for r in rows])
         cols = f"{'unit':<{width}} {'params/unit':>14} {'shard/rank':>13} {'persist/rank':>13} {'gathered':>11}  reshard"

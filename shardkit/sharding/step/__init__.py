@@ -8,7 +8,8 @@ TrainingState machines), param (one parameter's shard and gathered tensor), layo
 dim-0 row split), whole_view (the DeviceMesh and the DTensor of the whole parameter training code
 sees; .item() of a partial value refused), hooks (module and autograd hooks), traced (a unit's
 gather and reduce as custom ops inside a compiled graph), collectives (fused copy-in, collective,
-fused copy-out), buckets (which parameters share a collective), buffers (flat-buffer reuse on
+fused copy-out; the quantized all-to-all reductions), quantize (the int8 block code of
+shardkit.Quantization's payloads), buckets (which parameters share a collective), buffers (flat-buffer reuse on
 host-ordered devices), reduce_ops (AVG / PREMUL_SUM or SUM + divide), casts (mixed-precision
 casts of inputs and outputs), verify (every rank issues the same collective, under
 SHARDKIT_DEBUG), traffic (bytes sent), trace (`shardkit::` profiler ranges, free without a
