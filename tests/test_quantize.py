@@ -162,6 +162,7 @@ def test_quantized_reductions_are_refused_where_the_backend_has_no_all_to_all():
     _check_quantization(weights, NoAllToAll())  # gathers need only the all-gather it has
 
 
+@pytest.mark.long
 def test_the_cli_plans_quantized_bytes_per_node():
     import json
     import subprocess

@@ -271,8 +271,7 @@ def _start_quantized_scatter(rows: torch.Tensor, group: Group, backend: Backend,
                          stats.peers_elsewhere(group))
     with trace_range("shardkit::reduce_scatter"):
         work = backend.all_to_all_single(received.view(-1), sent.view(-1), group, async_op=True)
-    # The send buffer must outlive the collective: the work keeps no reference of its own on
-    # every backend, so the received payload's holder keeps both.
+    # The send buffer must outlive the collective, and not every backend's work references it.
     return _KeepAlive(work, sent), received
 
 
