@@ -135,15 +135,23 @@ SETTINGS = {"weights": Quantization(weights=True), "gradients": Quantization(gra
 
 def training(rank: int, world: int, runs: list[tuple[str, str, dict]]) -> dict:
     """parity_run (5 SGD steps beside an unsharded reference on the global batch) per (strategy,
-    setting, extra shard kwargs); with each run's final parameters' digest, to compare ranks."""
+    setting, extra shard kwargs; "checkpoint_layers": True checkpoints every block's activations);
+    with each run's final parameters' digest, to compare ranks."""
+    from _knob_workers import _checkpoint_blocks
     from _sharding_workers import full_params, parity_run
 
     out = {}
     for strategy, setting, extra in runs:
         kept: list = []
         kwargs = {**extra, "quantize": SETTINGS[setting]} if setting != "exact" else dict(extra)
-        result = parity_run(rank, strategy, world, kwargs, optimizer="sgd",
-                            setup=kept.append)
+        checkpointed = kwargs.pop("checkpoint_layers", False)  # activation checkpointing
+
+        def setup(model, checkpointed=checkpointed):
+            kept.append(model)
+            if checkpointed:
+                _checkpoint_blocks(model)
+
+        result = parity_run(rank, strategy, world, kwargs, optimizer="sgd", setup=setup)
         params = full_params(kept[0])
         digest = [float(v.double().sum()) for _, v in sorted(params.items())]
         out[f"{strategy}/{setting}/{sorted(extra)}"] = {"diffs": result["diffs"],

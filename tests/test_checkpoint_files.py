@@ -156,3 +156,16 @@ def test_never_replaces_a_directory_it_did_not_write(tmp_path):
     _complete_checkpoint(tmp_path / "ckpt")
     mf.check_replaceable(str(tmp_path / "ckpt"), mf.is_checkpoint_dir, "shardkit checkpoint")
     mf.check_replaceable(str(tmp_path / "absent"), is_weights_dir, "safetensors weights directory")
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_the_model_where_the_path_goes_is_named_before_any_peer_is_asked(call, tmp_path):
+    # Found as a user from the wheel: save(model, path) failed inside os.fspath with a TypeError.
+    import shardkit.checkpoint as ckpt
+    from shardkit import ShardkitError
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ShardkitError, match=rf"{call}\(\) takes the path first.*HINT"):
+        getattr(ckpt, call)(model, str(tmp_path / "ckpt"))
+    with pytest.raises(ShardkitError, match="needs the model as its second argument"):
+        getattr(ckpt, call)(str(tmp_path / "ckpt"), "model")

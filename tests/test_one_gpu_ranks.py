@@ -56,6 +56,20 @@ def test_every_strategy_and_feature_on_ranks_sharing_one_gpu(world):
         assert max(r["bf16"]) <= 1e-5
 
 
+def test_quantized_collectives_on_ranks_sharing_one_gpu():
+    # The int8 encode / decode on the device, on its gather and reduce streams (shardkit.Quantization).
+    from _quantize_workers import training
+
+    runs = [("FULL_SHARD", q, {}) for q in ("exact", "weights", "gradients", "both")]
+    runs += [("HYBRID_SHARD", "both", {"hybrid_group_size": 2}),
+             ("FULL_SHARD", "both", {"prefetch": 2})]
+    results = _spawn(training, 4, 4, runs)
+    for key, run in results[0].items():
+        assert all(r[key]["digest"] == run["digest"] for r in results), key
+        bound = 1e-5 if "/exact/" in key else 2e-3  # as on the host (tests/test_quantize.py)
+        assert max(run["diffs"]) < bound, (key, run["diffs"])
+
+
 def test_compiled_blocks_on_ranks_sharing_one_gpu():
     results = _spawn(compiled_blocks_run, 2, 2)
     worst = [(r["init_diff"], max(r["diffs"])) for r in results]

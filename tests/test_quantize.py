@@ -107,7 +107,8 @@ _RUNS = ([(s, q, {}) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
           for q in ("exact", "weights", "gradients", "both")]
          + [("HYBRID_SHARD", q, {"hybrid_group_size": 2}) for q in ("exact", "both")]
          + [("FULL_SHARD", "both", {"prefetch": 2}), ("FULL_SHARD", "both", {"cpu_offload": True}),
-            ("FULL_SHARD", "both", {"reshard_after_forward": 2})])
+            ("FULL_SHARD", "both", {"reshard_after_forward": 2}),
+            ("FULL_SHARD", "both", {"checkpoint_layers": True})])
 
 
 def test_quantized_training_stays_near_the_unsharded_run_and_replicas_agree():

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .._version import __version__
+from ..errors import ShardkitError
 from ..sharding.surface.views import ShardView, sharding_info
 from ..sharding.step.whole_view import local_of
 from . import collective, manifest as mf
@@ -82,6 +83,21 @@ def _optimizer_state(model, optimizer):
     return shards, small, groups
 
 
+def check_path_first(call: str, path: Any, model: Any) -> None:
+    """Refuse, before any peer is asked, a call that got the model where the path goes."""
+    if isinstance(path, torch.nn.Module):
+        raise ShardkitError(
+            f"shardkit.checkpoint.{call}() takes the path first, then the model: got "
+            f"{type(path).__name__} as the path; HINT: shardkit.checkpoint.{call}(\"ckpt\", "
+            f"model, optimizer=opt)")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ShardkitError(f"shardkit.checkpoint.{call}() needs a path (str or os.PathLike), "
+                            f"got {type(path).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise ShardkitError(f"shardkit.checkpoint.{call}() needs the model as its second "
+                            f"argument, got {type(model).__name__}")
+
+
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
          extra: Any = None, step: int | None = None, background: bool = False) -> Any:
     """Collective: write a sharded checkpoint of model (+ optimizer, + `extra` from rank 0) atomically to `path`.
@@ -92,6 +108,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     """
     from . import background as bg
 
+    check_path_first("save", path, model)
     bg.wait_pending()  # one save at a time per process, in the order they were asked for
     timeout_s = bg.write_timeout_s() if background else bg.DEFAULT_WRITE_TIMEOUT_S
     ctx = collective.context()
@@ -243,6 +260,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
     """
     from .background import wait_pending
 
+    check_path_first("load", path, model)
     wait_pending()  # a checkpoint this process is still writing is read once complete
     ctx = collective.context()
     collective.agree(ctx, "shardkit.checkpoint.load", {
