@@ -146,7 +146,7 @@ def training(rank: int, world: int, runs: list[tuple[str, str, dict]]) -> dict:
         kwargs = {**extra, "quantize": SETTINGS[setting]} if setting != "exact" else dict(extra)
         checkpointed = kwargs.pop("checkpoint_layers", False)  # activation checkpointing
 
-        def setup(model, checkpointed=checkpointed):
+        def setup(model, checkpointed=checkpointed, kept=kept):
             kept.append(model)
             if checkpointed:
                 _checkpoint_blocks(model)
