@@ -1,10 +1,13 @@
-"""Per-rank counters of the bytes the engine sends through the backend (ring-algorithm model).
+"""Per-rank counters of the bytes the engine sends through the backend (ring-algorithm model;
+the all-to-alls of quantized reductions exactly: a chunk to each peer).
 
 In a ring each rank sends to the next rank of its group, so whether its bytes cross a node
 boundary depends only on where that successor lives. Ranks are numbered node by node, as torchrun
 and SLURM number them (``ranks_per_node`` consecutive ranks per node): the bytes a rank sends in
 a collective whose ring successor is on another node are counted as inter-node, the rest as
-intra-node. The planner applies the same rule to every rank to predict both before a launch.
+intra-node. An all-to-all sends one chunk to every peer, so its inter-node bytes are the chunks
+for peers on other nodes. The planner applies the same rules to every rank to predict both
+before a launch.
 """
 
 from __future__ import annotations
