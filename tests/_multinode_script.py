@@ -29,7 +29,11 @@ def main() -> None:
     """Train, measure, report (rank 0 writes OUT_JSON and OUT_JSON.pt)."""
     out, strategy, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     ctx = shardkit.init()
-    model = shardkit.shard(build(), strategy=strategy, auto_wrap_policy=transformer_layers({Block}))
+    # "STRATEGY+quantized": weights and gradients as int8 blocks (two hops across the nodes).
+    strategy, _, quantized = strategy.partition("+")
+    quantize = shardkit.Quantization(weights=True, gradients=True) if quantized else None
+    model = shardkit.shard(build(), strategy=strategy, auto_wrap_policy=transformer_layers({Block}),
+                           quantize=quantize)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, measured = [], None
     share = None
@@ -47,8 +51,10 @@ def main() -> None:
         stats = shardkit.comm_stats(model, reset=True)
         if step == 1:
             measured = stats
+    everywhere = full_state_dict(model, rank0_only=False)  # what each rank holds, gathered
+    digest = [float(v.double().sum()) for _, v in sorted(everywhere.items())]
     everyone: list = [None] * ctx.world_size
-    dist.all_gather_object(everyone, {"rank": ctx.rank, "stats": measured,
+    dist.all_gather_object(everyone, {"rank": ctx.rank, "stats": measured, "digest": digest,
                                       "local_world_size": ctx.env.local_world_size,
                                       "node": os.environ.get("SIMCLUSTER_NODE")})
     state = full_state_dict(model)
