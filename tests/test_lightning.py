@@ -53,6 +53,7 @@ def _same_run(ours: dict, ddp: dict, rel: float, weights_abs: float | None = 0.0
         assert ours["weights"][name] == pytest.approx(total, rel=rel, abs=max(rel, weights_abs)), name
 
 
+@pytest.mark.long  # 19 s of fresh interpreters: out of the default lane (under 10 minutes)
 def test_importing_shardkit_registers_the_strategy_name_whichever_is_imported_first():
     check = ("from lightning.pytorch.strategies import StrategyRegistry as r\n"
              "from lightning.fabric.strategies import STRATEGY_REGISTRY as f\n"

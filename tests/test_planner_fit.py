@@ -71,6 +71,7 @@ def test_largest_batch_is_the_edge_by_direct_plans():
     assert "does not fit in 1 MiB per rank: needs" in nothing.summary()
 
 
+@pytest.mark.long  # 12 s of rehearsals: out of the default lane (under 10 minutes)
 def test_fit_table_rows_agree_with_one_search_each_and_offload_never_fits_less():
     model = _llama()
     rows = fit_table(model, 2, 12 * MiB, 64, auto_wrap_policy=WRAP)
