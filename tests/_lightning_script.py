@@ -122,7 +122,13 @@ def strategy_for(args: argparse.Namespace):
         from shardkit.wrap import transformer_layers
 
         block = type(build(args.model).transformer.h[0]) if args.model == "gpt2" else torch.nn.Linear
-        return ShardkitStrategy(strategy=args.sharding, auto_wrap_policy=transformer_layers({block}))
+        quantize = None
+        if args.quantize:  # int8 gathers and reductions, passed through as a shard() option
+            import shardkit
+
+            quantize = shardkit.Quantization(weights=True, gradients=True)
+        return ShardkitStrategy(strategy=args.sharding, auto_wrap_policy=transformer_layers({block}),
+                                quantize=quantize)
     return args.strategy
 
 
@@ -140,6 +146,7 @@ def main() -> None:
     p.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint every 4 steps into this directory")
     p.add_argument("--resume", default=None, help="ckpt_path= for fit()")
     p.add_argument("--summary", action="store_true", help="record Lightning's model summary")
+    p.add_argument("--quantize", action="store_true", help="shardkit-policy with Quantization")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
