@@ -13,7 +13,6 @@ reduced).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
@@ -170,8 +169,7 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     rows, split, stats = _rows_and_traffic(units, names, per_unit, group, replicas, align,
                                            direct, config, n_states, per_node)
     result = _assemble(rows, split, stats, world, strat, group, replicas, align, optimizer, mp,
-                       bool(cpu_offload), prefetch)
-    result = dataclasses.replace(result, quantized=_quantized(config.quantization))
+                       bool(cpu_offload), prefetch, _quantized(config.quantization))
     if nodes is not None:
         calls = [c for row in rows for c in row.collectives]
         result.comm["nodes"] = nodes
@@ -331,7 +329,7 @@ def _peak(rows: list[UnitRow], persistent_device: int, prefetch: int) -> int:
 
 def _assemble(rows: list[UnitRow], split: dict[str, int], stats: CommStats, world: int, strat: ShardingStrategy,
               group: int, replicas: int, align: int, optimizer: str, mp: MixedPrecision,
-              cpu_offload: bool, prefetch: int) -> Plan:
+              cpu_offload: bool, prefetch: int, quantized: str) -> Plan:
     snap = stats.snapshot()
     comm = {k: snap[k] for k in ("all_gather", "reduce_scatter", "all_reduce", "total", "calls")}
     persistent = dict(split, total=sum(split.values()))
@@ -346,7 +344,7 @@ def _assemble(rows: list[UnitRow], split: dict[str, int], stats: CommStats, worl
                 trainable_count=sum(u.trainable for u in rows), persistent=persistent,
                 persistent_device=device, persistent_host=persistent["total"] - device,
                 largest_unit=largest.name, largest_unit_bytes=largest.unsharded_bytes,
-                peak_bytes=_peak(rows, device, prefetch), comm=comm)
+                peak_bytes=_peak(rows, device, prefetch), comm=comm, quantized=quantized)
 
 
 def _quantized(quant: Quantization) -> str:

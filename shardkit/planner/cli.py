@@ -17,8 +17,6 @@ LINK_NAMES = ("nvlink", "ib", "ethernet")  # steptime.LINKS' keys, torch-free fo
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
-
-
 def quantization(which: str | None, block: int) -> Any:
     """The shard() option --quantize names (None: exact collectives)."""
     if which is None:

@@ -56,9 +56,9 @@ class RehearsalBackend(Backend):
             target, torch_process_group=False, holds_values=False)
         self.world_size = world_size
         self.tracker: LiveBytes | None = None
-        # The inputs reductions took: the tracker's allocation number -> (bytes, storage).
+        # The tensors collectives took: the tracker's allocation number -> (bytes, storage).
         # Keyed by allocation, not address: a freed storage's address is reused.
-        self._reduced_inputs: dict[int, tuple[int, int]] = {}
+        self._collective_tensors: dict[int, tuple[int, int]] = {}
 
     @classmethod
     @override
@@ -136,7 +136,7 @@ class RehearsalBackend(Backend):
         number = self.tracker.allocation_of(storage._cdata) if self.tracker is not None else None
         if number is not None:
             # Freed in place: a library that holds the tensor longer holds no memory.
-            self._reduced_inputs.pop(number, None)
+            self._collective_tensors.pop(number, None)
         if storage.size() != 0:
             storage.resize_(0)
             if self.tracker is not None:
@@ -167,7 +167,7 @@ class RehearsalBackend(Backend):
                                async_op: bool = False) -> Work:
         """Done at once; the output's size is noted (a quantized gather's payload is let go
         after decoding, and the library may hold it a while longer)."""
-        self._reduced(output)
+        self._note_collective(output)
         return CompletedWork()
 
     @override
@@ -175,7 +175,7 @@ class RehearsalBackend(Backend):
                               op: str = "sum", async_op: bool = False, *,
                               factor: float | None = None) -> Work:
         """Done at once; the input's size is noted (a library may hold it a while longer)."""
-        self._reduced(input)
+        self._note_collective(input)
         return CompletedWork()
 
     @override
@@ -183,31 +183,31 @@ class RehearsalBackend(Backend):
                           async_op: bool = False) -> Work:
         """Done at once; the sizes of both buffers are noted (a quantized reduction's payloads,
         sent and received, held by one library handle and let go together)."""
-        self._reduced(input, also=output)
+        self._note_collective(input, also=output)
         return CompletedWork()
 
     @override
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = "sum",
                    async_op: bool = False, *, factor: float | None = None) -> Work:
         """Done at once; the tensor's size is noted."""
-        self._reduced(tensor)
+        self._note_collective(tensor)
         return CompletedWork()
 
-    def _reduced(self, tensor: torch.Tensor, also: torch.Tensor | None = None) -> None:
+    def _note_collective(self, tensor: torch.Tensor, also: torch.Tensor | None = None) -> None:
         key = tensor.untyped_storage()._cdata
         number = self.tracker.allocation_of(key) if self.tracker is not None else None
         if number is not None:
             nbytes = tensor.numel() * tensor.element_size()
             if also is not None:  # a second buffer the same library handle holds
                 nbytes += also.numel() * also.element_size()
-            self._reduced_inputs[number] = (nbytes, key)
+            self._collective_tensors[number] = (nbytes, key)
 
     def largest_let_go(self) -> int:
         """The largest tensor of a collective that the engine let go of (its last reference
         dropped, not freed in place and not kept in its buffer pool): what a library thread that
         releases tensors late could still hold."""
         assert self.tracker is not None
-        return max((nbytes for number, (nbytes, key) in self._reduced_inputs.items()
+        return max((nbytes for number, (nbytes, key) in self._collective_tensors.items()
                     if self.tracker.allocation_of(key) != number), default=0)
 
     @override

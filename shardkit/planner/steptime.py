@@ -108,9 +108,8 @@ def collective_seconds(kind: str, nbytes: int, group: int, link: Link) -> float:
     steps = group - 1
     if kind == "all_reduce":  # a reduce-scatter then an all-gather of n / p chunks
         return 2 * steps * (link.latency_s + nbytes / group / link.bandwidth)
-    if kind in ("forward_gather", "backward_gather", "all_reduce_gather"):
-        return steps * (link.latency_s + nbytes / link.bandwidth)
-    if kind in QUANTIZED_KINDS:  # an all-to-all: one chunk of nbytes to each peer
+    if kind in ("forward_gather", "backward_gather") or kind in QUANTIZED_KINDS:
+        # A ring all-gather, or a quantized reduction's all-to-all or all-gather: (N-1) chunks.
         return steps * (link.latency_s + nbytes / link.bandwidth)
     if kind == "reduce_scatter":
         return link.reduce_scatter_factor * steps * (link.latency_s + nbytes / link.bandwidth)

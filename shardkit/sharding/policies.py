@@ -76,11 +76,6 @@ class Quantization:
             raise ShardkitError(f"Quantization.block_size must be an int in [8, 1048576] "
                                 f"(elements per fp32 scale), got {block!r}")
 
-    @property
-    def active(self) -> bool:
-        """Whether anything is quantized."""
-        return self.weights or self.gradients
-
 
 @dataclass(frozen=True)
 class ShardConfig:

@@ -9,7 +9,7 @@ otherwise keep every one of them). The world group belongs to init() and is neve
 from __future__ import annotations
 
 import weakref
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from ...backend import Backend
 from ...errors import ShardkitError
@@ -52,11 +52,26 @@ def _solo(world: Group) -> Group:
     return Group(0, 1, (world.ranks[world.rank],), None)
 
 
-def _make(maker: GroupMaker, ranks: range, world: Group) -> Group:
+def _make(maker: GroupMaker, ranks: Sequence[int], world: Group) -> Group:
     if len(ranks) == 1:
         return Group(0, 1, (ranks[0],), None) if world.ranks[world.rank] == ranks[0] else \
             Group(-1, 1, (ranks[0],), None)
     return maker.new_group(list(ranks))
+
+
+def this_ranks_group(maker: GroupMaker, world: Group, families: Iterable[Sequence[int]]) -> Group:
+    """Create every group of a family that covers the world and return the one holding this rank.
+
+    Every rank calls this with the same family in the same order: new_group is collective.
+    """
+    me = world.ranks[world.rank]
+    mine = None
+    for ranks in families:
+        group = _make(maker, ranks, world)
+        if me in group.ranks:
+            mine = group
+    assert mine is not None, "the family covers every rank"
+    return mine
 
 
 def shard_group_size(strategy: ShardingStrategy, hybrid_group_size: int | None,
@@ -84,18 +99,8 @@ def make_groups(maker: GroupMaker, world: Group, strategy: ShardingStrategy,
     if strategy is ShardingStrategy.NO_SHARD:
         return _solo(world), world
     k = shard_group_size(strategy, hybrid_group_size, local_world_size, n)
-    me = world.ranks[world.rank]
-    shard = replica = None
-    # Every rank creates every group in the same order (new_group is collective).
-    for start in range(0, n, k):
-        g = _make(maker, range(start, start + k), world)
-        if me in g.ranks:
-            shard = g
-    for offset in range(k):
-        g = _make(maker, range(offset, n, k), world)
-        if me in g.ranks:
-            replica = g
-    assert shard is not None  # the shard groups cover every rank
+    shard = this_ranks_group(maker, world, [range(start, start + k) for start in range(0, n, k)])
+    replica = this_ranks_group(maker, world, [range(offset, n, k) for offset in range(k)])
     return shard, replica
 
 
@@ -107,19 +112,12 @@ def make_node_hops(maker: GroupMaker, world: Group, shard_group: Group,
     Every rank calls this together. Shard groups are runs of consecutive world ranks, so a node
     is a run of ranks_per_node of them and the group across nodes takes every ranks_per_node-th.
     """
-    size, per_node = shard_group.size, ranks_per_node or 0
+    size, per_node, n = shard_group.size, ranks_per_node or 0, world.size
     if per_node < 2 or size <= per_node or size % per_node:
         return None
-    me = world.ranks[world.rank]
-    node = across = None
-    for start in range(0, world.size, per_node):
-        g = maker.new_group(list(range(start, start + per_node)))
-        if me in g.ranks:
-            node = g
-    for first in range(0, world.size, size):
-        for offset in range(per_node):
-            g = maker.new_group(list(range(first + offset, first + size, per_node)))
-            if me in g.ranks:
-                across = g
-    assert node is not None and across is not None  # both families cover every rank
+    node = this_ranks_group(maker, world, [range(start, start + per_node)
+                                           for start in range(0, n, per_node)])
+    across = this_ranks_group(maker, world, [range(first + offset, first + size, per_node)
+                                             for first in range(0, n, size)
+                                             for offset in range(per_node)])
     return node, across

@@ -23,7 +23,7 @@ from torch import nn
 
 from ...errors import ShardkitError
 from ...handles import Group
-from .groups import GroupMaker
+from .groups import GroupMaker, this_ranks_group
 from .plan import UnitPlan
 from ..policies import ShardConfig, ShardingStrategy
 
@@ -103,13 +103,10 @@ def make_reshard_groups(maker: GroupMaker, world: Group, shard_group: Group,
     Shard groups are runs of consecutive world ranks (the world itself, or HYBRID's blocks), so
     the blocks of k consecutive shard-group ranks are the runs of k consecutive world ranks.
     """
-    me = world.ranks[world.rank]
     out: dict[int, Group] = {}
-    for k in sorted({v for v in values if not isinstance(v, bool)}):
-        for start in range(0, world.size, k):
-            group = maker.new_group(list(world.ranks[start:start + k]))
-            if me in group.ranks:
-                out[k] = group
+    for k in sorted({v for v in values if not isinstance(v, bool)}):  # k >= 2 (resolve)
+        out[k] = this_ranks_group(maker, world, [world.ranks[start:start + k]
+                                                 for start in range(0, world.size, k)])
         # Position inside the block == rank inside the group: the slice this rank keeps.
         assert out[k].rank == shard_group.rank % k, (out[k], shard_group)
     return out
