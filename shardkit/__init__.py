@@ -38,7 +38,8 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .job.runtime import DistContext, current_context, init, shutdown
     from .seeding import seeded
     from .job.selection import backend_statuses, get_backend
-    from .sharding import (MixedPrecision, Quantization, ShardingStrategy, clip_grad_norm_, comm_stats,
+    from .fault_tolerance import fault_tolerant_optimizer
+    from .sharding import (FaultTolerance, MixedPrecision, Quantization, ShardingStrategy, clip_grad_norm_, comm_stats,
                            full_shape, full_tensor, local_shard, register_forward_method, shard)
     from .sharding.setup.replicas import check_model_replicas as check_replicas
     from .sharding.step.verify import CollectiveOrderError
@@ -58,8 +59,9 @@ _LAZY: dict[str, tuple[str, str]] = {
     **{name: (".job.runtime", name) for name in ("DistContext", "current_context", "init", "shutdown")},
     "seeded": (".seeding", "seeded"),
     **{name: (".job.selection", name) for name in ("backend_statuses", "get_backend")},
+    "fault_tolerant_optimizer": (".fault_tolerance", "fault_tolerant_optimizer"),
     **{name: (".sharding", name) for name in (
-        "MixedPrecision", "Quantization", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "full_shape",
+        "FaultTolerance", "MixedPrecision", "Quantization", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "full_shape",
         "full_tensor", "local_shard", "register_forward_method", "shard")},
     "check_replicas": (".sharding.setup.replicas", "check_model_replicas"),
     "CollectiveOrderError": (".sharding.step.verify", "CollectiveOrderError"),
@@ -88,13 +90,13 @@ def __dir__() -> list[str]:
 __all__ = [
     "API_VERSION", "AttentionCall", "Backend", "BackendNotFoundError", "BackendUnavailableError",
     "Capabilities", "CheckpointError", "CheckpointNotFoundError", "CollectiveOrderError",
-    "CompletedWork", "CorruptCheckpointError", "DistContext", "Group",
+    "CompletedWork", "CorruptCheckpointError", "DistContext", "FaultTolerance", "Group",
     "IncompleteCheckpointError", "JobStoreError", "LaunchEnv", "MixedPrecision", "NullEvent",
     "NullStream", "PeerFailedError", "Plan", "PluginLoadError", "Quantization", "ReduceOp", "ShardingStrategy",
     "ShardkitError", "SpawnError", "StateDictMismatchError", "TorchWork",
     "UnsupportedOperationError", "Work", "__version__", "backend_statuses", "check_replicas",
     "checkpoint", "clip_grad_norm_", "comm_stats", "current_context", "detect_launch_env",
-    "full_shape", "full_tensor", "get_backend", "global_mean", "hookimpl", "hookspec", "init", "local_shard",
+    "fault_tolerant_optimizer", "full_shape", "full_tensor", "get_backend", "global_mean", "hookimpl", "hookspec", "init", "local_shard",
     "plan", "register_forward_method", "register_plugin", "replicate", "seeded", "shard",
     "shutdown", "spawn", "wrap",
 ]

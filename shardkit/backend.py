@@ -401,6 +401,14 @@ class Backend:
         if group.size > 1:
             dist.barrier(group=group.handle)
 
+    # Left out: no torchft process group, so shard(..., fault_tolerance=...) is refused.
+    def fault_tolerant_process_group(self, timeout: datetime.timedelta) -> Any:
+        """A torchft process group for the all-reduce across replica groups (reconfigured per quorum)."""
+        raise UnsupportedOperationError(
+            f"backend {self.name!r} names no torchft process group, so its replica groups cannot "
+            "be made fault tolerant; HINT: run on a backend that does (cpu/gloo, cuda/nccl, "
+            "xpu/xccl), or override fault_tolerant_process_group() in the backend plugin")
+
     # ==== host copies and memory figures: checkpoints, the demo, users timing phases
     # Left out: detach().cpu() copies (pinned, one sync, where the device has streams) and the
     # device module's memory counters, else the process's resident memory.

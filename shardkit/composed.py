@@ -41,7 +41,7 @@ COLLECTIVE_SIDE = (
     "process_group_backend", "process_group_options", "init_process_group", "world_group",
     "new_group", "destroy_group", "shutdown", "exact_reduce_ops_for", "torch_reduce_op",
     "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast", "barrier",
-    "all_to_all_single",
+    "all_to_all_single", "fault_tolerant_process_group",
 )
 # Members the pair answers itself, from both sides.
 PAIR_OWN = ("is_available", "unavailable_reason", "requirement_hint", "versions", "auto_select_now",

@@ -9,6 +9,12 @@ traffic between nodes crosses the capped links, as on a cluster whose nodes talk
 network than their ranks do. `interface_bytes` reads the kernel's counters of a node's link, so a
 test can check what really crossed it.
 
+With ``hostnames=True`` every node also gets a host name of its own that every node resolves to
+its address (an /etc/netns/<node>/hosts file, which ``ip netns exec`` mounts over /etc/hosts, and a
+UTS namespace per started process): libraries that advertise ``socket.gethostname()`` to their
+peers (torchft's manager and checkpoint servers) then advertise an address the other nodes reach,
+as on a real cluster, instead of the machine's one name for loopback.
+
 Needs root and iproute2 (`ip`, `tc`); `unavailable_reason()` says why not, for a skip. Used as a
 context manager: every namespace (and so every veth, bridge and qdisc) and every process started
 with `start` is removed on exit, also after a failure or a timeout.
@@ -52,7 +58,8 @@ class SimCluster:
 
     _made = itertools.count()
 
-    def __init__(self, nodes: int, rate: str | None = None, subnet: int | None = None) -> None:
+    def __init__(self, nodes: int, rate: str | None = None, subnet: int | None = None,
+                 hostnames: bool = False) -> None:
         serial = next(self._made)
         self.tag = f"sk{os.getpid() % 100000}{chr(97 + serial % 26)}"
         # A /24 of 10.0.0.0/8 per cluster, so two clusters or test runs never share addresses.
@@ -60,11 +67,16 @@ class SimCluster:
         self.names = [f"{self.tag}n{i}" for i in range(nodes)]
         self.switch = f"{self.tag}sw"
         self.rate = rate
+        self.hostnames = hostnames
         self._procs: list[subprocess.Popen] = []
 
     def address(self, node: int) -> str:
         """The IPv4 address of `node`'s eth0."""
         return f"10.{self.subnet}.0.{node + 1}"
+
+    def hostname(self, node: int) -> str:
+        """`node`'s own host name (with hostnames=True)."""
+        return self.names[node]
 
     def __enter__(self) -> "SimCluster":
         try:
@@ -78,6 +90,13 @@ class SimCluster:
         self.close()
 
     def _build(self) -> None:
+        if self.hostnames:
+            table = "127.0.0.1 localhost\n" + "".join(
+                f"{self.address(i)} {name}\n" for i, name in enumerate(self.names))
+            for name in self.names:
+                os.makedirs(f"/etc/netns/{name}", exist_ok=True)
+                with open(f"/etc/netns/{name}/hosts", "w") as f:
+                    f.write(table)
         _ip("netns", "add", self.switch)
         _ip("link", "add", "br0", "type", "bridge", netns=self.switch)
         _ip("link", "set", "br0", "up", netns=self.switch)
@@ -103,7 +122,11 @@ class SimCluster:
 
     def start(self, node: int, argv: Sequence[str], **popen: object) -> subprocess.Popen:
         """Start `argv` inside `node` (its own process group, so close() ends all it started)."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.names[node], *argv],
+        prefix = ["ip", "netns", "exec", self.names[node]]
+        if self.hostnames:
+            prefix += ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+                       self.names[node]]
+        proc = subprocess.Popen([*prefix, *argv],
                                 start_new_session=True, **popen)  # type: ignore[call-overload]
         self._procs.append(proc)
         return proc
@@ -129,3 +152,6 @@ class SimCluster:
                 proc.wait()
         for ns in [*self.names, self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        if self.hostnames:
+            for name in self.names:
+                shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)

@@ -101,6 +101,16 @@ class CPUBackend(Backend):
         return super().init_process_group(env, timeout)
 
     @override
+    def fault_tolerant_process_group(self, timeout: datetime.timedelta) -> Any:
+        """torchft's gloo group, rebuilt by its Manager whenever the quorum of replica groups changes."""
+        from shardkit.fault_tolerance import require_torchft
+
+        require_torchft()
+        from torchft.process_group import ProcessGroupGloo
+
+        return ProcessGroupGloo(timeout=timeout)
+
+    @override
     def indexed_device(self, index: int) -> torch.device:
         """Always the host: torch has one CPU device, so an index (a launcher's LOCAL_RANK) means nothing."""
         return torch.device("cpu")

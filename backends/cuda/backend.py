@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any
 
@@ -124,6 +125,16 @@ class CUDABackend(Backend):
     def process_group_backend(self) -> str:
         """NCCL for GPU tensors."""
         return "nccl"
+
+    @override
+    def fault_tolerant_process_group(self, timeout: datetime.timedelta) -> Any:
+        """torchft's NCCL group: it aborts the communicator of a failed quorum instead of hanging in it."""
+        from shardkit.fault_tolerance import require_torchft
+
+        require_torchft()
+        from torchft.process_group import ProcessGroupNCCL
+
+        return ProcessGroupNCCL(timeout=timeout)
 
     @override
     def process_group_options(self, env: LaunchEnv) -> dict[str, Any]:

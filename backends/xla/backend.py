@@ -257,6 +257,18 @@ class XLABackend(Backend):
         return CompletedWork()
 
     @override
+    def fault_tolerant_process_group(self, timeout: datetime.timedelta) -> Any:
+        """Refused: torchft's groups run eager c10d collectives, XLA's are traced into the step's graph."""
+        raise UnsupportedOperationError(
+            "fault tolerance across replica groups is not available on XLA: torchft's Manager "
+            "runs its all-reduce as an eager torch.distributed collective on a process group it "
+            "rebuilds whenever the quorum changes, while XLA's collectives are ops traced into "
+            "the step's compiled graph over a fixed PJRT mesh, which no torchft process group "
+            "can join or leave. HINT: on TPU, restart the job from its last checkpoint "
+            "(`shardkit launch --max-restarts N` with shardkit.checkpoint), or run the "
+            "fault-tolerant job on cpu, cuda or xpu")
+
+    @override
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                           async_op: bool = False) -> Work:
         """Send the i-th equal slice of `input` to group rank i; receive each rank's slice for this one."""

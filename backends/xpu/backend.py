@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ from typing_extensions import override
 
 from shardkit import Backend, Capabilities
 from shardkit.launch_env import LaunchEnv
+from shardkit.errors import UnsupportedOperationError
 from shardkit.install_hint import pip_install_extra
 
 from .collectives import choose_process_group, requested_process_group
@@ -127,6 +129,21 @@ class XPUBackend(Backend):
                 self.runtime.load_ccl()
             self._chosen[requested] = chosen
         return self._chosen[requested]
+
+    @override
+    def fault_tolerant_process_group(self, timeout: datetime.timedelta) -> Any:
+        """torchft's xccl group; the legacy oneCCL bindings (ccl) have none, so that case is refused."""
+        if self.process_group_backend() != "xccl":
+            raise UnsupportedOperationError(
+                "fault tolerance across replica groups needs torch's native xccl: torchft has no "
+                "process group for oneCCL's legacy 'ccl' bindings. HINT: install torch's XPU "
+                "wheel (which ships xccl) and leave SHARDKIT_XPU_PG unset (or set it to xccl)")
+        from shardkit.fault_tolerance import require_torchft
+
+        require_torchft()
+        from torchft.process_group import ProcessGroupXCCL
+
+        return ProcessGroupXCCL(timeout=timeout)
 
     @override
     def process_group_options(self, env: LaunchEnv) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from .step.whole_view import make_mesh, refuse_partial_items
 from .surface import state_dict_hooks, torch_norms
 from .step.param import ShardedParam
 from .setup.plan import ParamPlan, UnitPlan, all_param_plans, plan_units
-from .policies import MixedPrecision, Quantization, ShardConfig, ShardingStrategy
+from .policies import FaultTolerance, MixedPrecision, Quantization, ShardConfig, ShardingStrategy
 from .setup.report import log_sharding
 from .setup.replicas import broadcast_from_first, check_replicas
 from .setup.reshard import ReshardSpec, frees_without_backward, make_reshard_groups, resolve
@@ -85,6 +85,31 @@ def _check_not_sharded(model: nn.Module) -> None:
                                 "a unit with auto_wrap_policy=")
 
 
+def _fault_tolerant_group(config: FaultTolerance | None, strategy, hybrid_group_size: int | None,
+                          ctx: DistContext) -> int | None:
+    """The shard group size under fault tolerance (the whole job: one replica group); checks the config."""
+    if config is None:
+        return hybrid_group_size
+    if not isinstance(config, FaultTolerance):
+        raise ShardkitError(f"fault_tolerance must be a shardkit.FaultTolerance (e.g. "
+                            f"FaultTolerance(replica_group=0)), got {type(config).__name__}")
+    if ShardingStrategy.parse(strategy) is not ShardingStrategy.HYBRID_SHARD:
+        raise ShardkitError(
+            f"fault_tolerance= needs strategy HYBRID_SHARD (shard inside this replica group, "
+            f"replicate across groups), got {ShardingStrategy.parse(strategy).name}. HINT: pass "
+            "strategy='hybrid_shard'; each replica group is its own launch")
+    n = ctx.world.size
+    if hybrid_group_size not in (None, n):
+        raise ShardkitError(
+            f"with fault_tolerance= each launched job is one replica group and shards across all "
+            f"of its {n} ranks, so hybrid_group_size must be left out (or be {n}), got "
+            f"{hybrid_group_size}. HINT: launch one job per replica group")
+    if not ctx.backend.capabilities.holds_values:
+        raise ShardkitError("fault_tolerance= cannot be rehearsed by the planner's "
+                            "recording backend; plan HYBRID_SHARD with the groups as replicas")
+    return n
+
+
 def _sync_module_states(requested: bool | None, backend: Backend) -> bool:
     if not backend.capabilities.holds_values:
         return False  # no values to copy
@@ -110,7 +135,8 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
           hybrid_group_size: int | None = None, verify: bool | None = None,
           reshard_after_forward: ReshardSpec = None,
           sync_module_states: bool | None = None,
-          quantize: Quantization | None = None) -> nn.Module:
+          quantize: Quantization | None = None,
+          fault_tolerance: FaultTolerance | None = None) -> nn.Module:
     """Shard `model` in place over the data-parallel ranks and return it (names unchanged).
 
     - strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (gathered params kept from forward to
@@ -146,6 +172,11 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     - quantize: shardkit.Quantization(weights=..., gradients=..., block_size=256): send the
       parameter all-gathers and/or the gradient reductions as block-quantized int8 (ZeRO++
       qwZ / qgZ), for jobs bound by a slow link; the sharded master weights stay exact.
+    - fault_tolerance: shardkit.FaultTolerance(replica_group=N, lighthouse=...) with
+      HYBRID_SHARD: this job is one replica group (sharded across its ranks); the gradient
+      all-reduce across groups runs through torchft, so the other groups keep training when one
+      fails and a restarted group rejoins live. Wrap the optimizer with
+      shardkit.fault_tolerant_optimizer(model, optimizer).
     Afterwards each of model.parameters() (what the optimizer owns) is a DTensor of the whole
     parameter whose local tensor is this rank's rows (dim-0 Shard over the shard group), where
     the backend's groups are torch process groups and a shard group has 2+ ranks; otherwise the
@@ -157,10 +188,14 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
         raise ShardkitError(f"shard() needs an nn.Module, got {type(model).__name__}")
     _check_not_sharded(model)
     ctx = require_context(backend)
+    hybrid_group_size = _fault_tolerant_group(fault_tolerance, strategy, hybrid_group_size, ctx)
     choices = _decide(model, ctx, strategy, auto_wrap_policy, mixed_precision, device_id,
                       cpu_offload, param_init_fn, prefetch, hybrid_group_size,
                       reshard_after_forward, sync_module_states, quantize)
     state, reshard_groups, mesh = _make_runtime(ctx, choices, verify)
+    if fault_tolerance is not None:
+        from ..fault_tolerance.cross_groups import start
+        state.cross_groups = start(fault_tolerance, ctx.backend, ctx, state)
     by_param = _shard_parameters(model, ctx, choices, state, mesh)
     _make_units(state, choices, by_param, reshard_groups)
     if not choices.sync and ctx.backend.capabilities.holds_values:

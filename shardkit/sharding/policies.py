@@ -78,6 +78,49 @@ class Quantization:
 
 
 @dataclass(frozen=True)
+class FaultTolerance:
+    """HYBRID_SHARD that keeps training when a replica group fails (torchft; `pip install 'shardkit[ft]'`).
+
+    Each replica group is its own job (its own launcher, its own shardkit.init()), sharding the
+    model across its ranks; the gradient all-reduce across groups runs through a torchft Manager,
+    which forms a quorum of the live groups each step (through the lighthouse), commits a step
+    only if every rank of every group in it succeeded, and hands a restarted group the current
+    weights and optimizer state from a healthy group over the network.
+
+    replica_group: this group's number (0, 1, ...), the same on every rank of the group;
+    lighthouse: the torchft lighthouse's address ("http://host:29510"; None reads
+    TORCHFT_LIGHTHOUSE); min_replica_groups: the fewest groups a step may commit with; timeout_s:
+    how long a collective, a commit vote or a recovery may take before the step is dropped;
+    quorum_timeout_s: how long to wait for a quorum (the lighthouse unreachable ends the job
+    after it).
+    """
+
+    replica_group: int
+    lighthouse: str | None = None
+    min_replica_groups: int = 1
+    timeout_s: float = 60.0
+    quorum_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        group = self.replica_group
+        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+            raise ShardkitError(f"FaultTolerance.replica_group must be this group's number, an "
+                                f"int >= 0, got {group!r}")
+        low = self.min_replica_groups
+        if isinstance(low, bool) or not isinstance(low, int) or low < 1:
+            raise ShardkitError(f"FaultTolerance.min_replica_groups must be an int >= 1, got "
+                                f"{low!r}")
+        for name in ("timeout_s", "quorum_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ShardkitError(f"FaultTolerance.{name} must be a number of seconds > 0, "
+                                    f"got {value!r}")
+        if self.lighthouse is not None and not isinstance(self.lighthouse, str):
+            raise ShardkitError(f"FaultTolerance.lighthouse must be an address such as "
+                                f"'http://host:29510', got {self.lighthouse!r}")
+
+
+@dataclass(frozen=True)
 class ShardConfig:
     """Everything shard() was asked for, normalised; one per sharded model."""
 

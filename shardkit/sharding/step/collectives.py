@@ -345,9 +345,10 @@ def quantized_all_reduce(tensor: torch.Tensor, group: Group, backend: Backend,
 
 
 def reduced_row(pending: PendingReduce, replica: Group | None, backend: Backend,
-                stats: CommStats | None) -> torch.Tensor:
+                stats: CommStats | None, cross_groups: Any = None) -> torch.Tensor:
     """Wait for the reduce-scatter, reduce across replicas and divide (SUM plans): this rank's
-    averaged row of the bucket, in the reduce dtype on the compute device."""
+    averaged row of the bucket, in the reduce dtype on the compute device. `cross_groups`
+    (fault tolerance) then averages the row over the replica groups outside this job."""
     device = pending.output.device
     current = backend.current_stream(device)
     # The compute stream first waits for all the reduce stream queued (the collective's launch
@@ -380,6 +381,13 @@ def reduced_row(pending: PendingReduce, replica: Group | None, backend: Backend,
                                **factor_kwargs(plan.replica_factor)).wait()
     if pending.plan.post_divide != 1.0:
         out.div_(pending.plan.post_divide)
+    if cross_groups is not None:
+        # After the divide: the row is this group's mean, and the mean of equal-size groups'
+        # means is the mean over every sample that took part.
+        with trace_range("shardkit::cross_group_all_reduce"):
+            groups = cross_groups.all_reduce_mean(out)
+        if stats is not None:
+            stats.all_reduce(out.numel() * out.element_size(), groups, crosses_node=True)
     share_replicated_scalars(pending.params, out, pending.group, backend, stats)
     return out
 
@@ -411,9 +419,10 @@ def share_replicated_scalars(params: Sequence[ShardedParam], row: torch.Tensor,
 
 
 def finish_reduce(pending: PendingReduce, replica: Group | None, backend: Backend,
-                  stats: CommStats | None, pool: BufferPool | None = None) -> None:
+                  stats: CommStats | None, pool: BufferPool | None = None,
+                  cross_groups: Any = None) -> None:
     """Complete a bucket's reduction (reduced_row) and add it into the sharded grads."""
-    out = reduced_row(pending, replica, backend, stats)
+    out = reduced_row(pending, replica, backend, stats, cross_groups)
     if pool is not None and pending.pooled:
         pool.give(pending.input)
     params = pending.params

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, cast
+from typing import Iterable, Protocol, cast
 
 import torch
 
@@ -14,6 +14,13 @@ from .traffic import CommStats
 from ..policies import ShardConfig
 from .trace import trace_range
 from .unit import ShardUnit
+
+
+class CrossGroupReduce(Protocol):
+    """The mean across replica groups that are not part of this job (fault tolerance)."""
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> int:
+        """Average `tensor` in place over the groups taking part; return their number."""
 
 
 class ShardState:
@@ -30,6 +37,9 @@ class ShardState:
         # (node group, group across nodes) of a shard group spanning nodes, for the two-hop
         # quantized gradient reduction (setup/groups.make_node_hops); None: one hop.
         self.node_hops: tuple[Group, Group] | None = None
+        # Under fault_tolerance=: the all-reduce across replica groups (a torchft Manager,
+        # fault_tolerance/cross_groups.py); None otherwise.
+        self.cross_groups: CrossGroupReduce | None = None
         self.config = config
         caps = backend.capabilities
         self.async_collectives = caps.async_collectives

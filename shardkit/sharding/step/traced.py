@@ -140,7 +140,7 @@ def reduce_unit(grads: list[torch.Tensor], key: str) -> list[torch.Tensor]:
         pending = start_reduce_scatter(bucket.params, inp, st.device, st.shard_group, st.backend,
                                        st.stats, plan, quantize_block=unit.grad_block,
                                        node_hops=st.node_hops)
-        row = reduced_row(pending, st.replica_group, st.backend, st.stats)
+        row = reduced_row(pending, st.replica_group, st.backend, st.stats, st.cross_groups)
         for p, grad in zip(bucket.params, torch.split(row, row_sizes(bucket.params))):
             # Copies: a custom op's outputs may not alias one another (they would share the row).
             out[id(p)] = p.user_rows(grad.view(p.shard_shape)).to(p.master_dtype, copy=True)

@@ -292,7 +292,7 @@ class ShardUnit:
     def finish(self, pending: PendingReduce) -> None:
         """Complete one of this unit's reductions into the sharded grads."""
         finish_reduce(pending, self.state.replica_group, self.state.backend, self.state.stats,
-                      self.state.pool)
+                      self.state.pool, self.state.cross_groups)
 
     # ---- buffers under MixedPrecision.buffer_dtype --------------------------------------------
     def cast_buffers(self, dtype: torch.dtype) -> None:

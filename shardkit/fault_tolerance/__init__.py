@@ -1,0 +1,23 @@
+"""Fault tolerance across replica groups: HYBRID_SHARD on a torchft Manager (`shardkit[ft]`).
+
+A failure inside a group (a rank dies) still ends that group's job, which its launcher restarts;
+what this package adds is that the *other* groups keep training meanwhile, and that the
+restarted group rejoins with the current weights and optimizer state fetched live from a healthy
+group instead of a checkpoint. Files:
+
+- requirement.py: import torchft, or say which extra installs it.
+- cross_groups.py: the object the engine calls for the gradient all-reduce across groups (the
+  Manager's fault-tolerant all-reduce) and what a recovering group is sent (its shards, its
+  optimizer's state) and loads; made by shard(), it dies with the model.
+- optimizer.py: the optimizer wrapper: zero_grad() joins the step's quorum, step() steps only
+  when every group in the quorum committed.
+
+The engine imports nothing from here but the protocol it calls (sharding/step/state.py holds a
+reference); shard() builds the Manager only when `fault_tolerance=` is given, so plain installs
+never import torchft.
+"""
+
+from .optimizer import FaultTolerantOptimizer, fault_tolerant_optimizer
+from .requirement import require_torchft
+
+__all__ = ["FaultTolerantOptimizer", "fault_tolerant_optimizer", "require_torchft"]

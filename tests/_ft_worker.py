@@ -1,0 +1,183 @@
+"""One rank of one replica group of a fault-tolerant job (torchft), for tests/test_fault_tolerance.py
+and benchmarks/bench_fault_tolerance.py.
+
+Started by torchrun (one torchrun per replica group). Trains the model of `ft_model` on batches
+that depend only on (step, group, rank), so a one-process reference can replay exactly the steps
+that were committed with exactly the groups that took part. Every rank appends one JSON line per
+step to OUT/group{G}_rank{R}.jsonl; rank 0 writes the group's final full weights at the end.
+
+--engine shardkit: shardkit.shard(HYBRID_SHARD, fault_tolerance=...) + fault_tolerant_optimizer.
+--engine fsdp2: torch's fully_shard over the group + torchft (torchtitan's recipe: FSDP2's
+    all-reduce hook runs the Manager's all-reduce; torchft's OptimizerWrapper).
+--engine plain: shardkit HYBRID_SHARD over every group as one job (no torchft), for timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _ft_model import batch, build_model  # noqa: E402
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--group", type=int, required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--engine", default="shardkit", choices=("shardkit", "fsdp2", "plain"))
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--kill-at", type=int, default=-1, help="every rank SIGKILLs itself at this step, once")
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (pacing)")
+    ap.add_argument("--timeout", type=float, default=20.0)
+    ap.add_argument("--quorum-timeout", type=float, default=30.0)
+    ap.add_argument("--min-groups", type=int, default=1)
+    return ap.parse_args()
+
+
+def shardkit_setup(args, model):
+    import shardkit
+
+    if args.engine == "plain":
+        model = shardkit.shard(model, strategy="hybrid_shard",
+                               hybrid_group_size=int(os.environ["LOCAL_WORLD_SIZE"]))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, opt, None
+    ft = shardkit.FaultTolerance(replica_group=args.group, timeout_s=args.timeout,
+                                 quorum_timeout_s=args.quorum_timeout,
+                                 min_replica_groups=args.min_groups)
+    model = shardkit.shard(model, strategy="hybrid_shard", fault_tolerance=ft)
+    opt = shardkit.fault_tolerant_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return model, opt, opt
+
+
+def fsdp2_setup(args, model):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torchft.manager import Manager
+    from torchft.optim import OptimizerWrapper
+    from torchft.process_group import ProcessGroupGloo
+
+    dist.init_process_group("gloo")
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def save():
+        return {"model": model.state_dict(), "optim": inner.state_dict()}
+
+    def load(sd):
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["optim"])
+
+    manager = Manager(pg=ProcessGroupGloo(), load_state_dict=load, state_dict=save,
+                      min_replica_size=args.min_groups,
+                      timeout=__import__("datetime").timedelta(seconds=args.timeout),
+                      quorum_timeout=__import__("datetime").timedelta(seconds=args.quorum_timeout),
+                      replica_id=f"fsdp2_replica_group_{args.group}")
+
+    def hook(output: torch.Tensor) -> None:
+        manager.allreduce(output).wait()
+
+    for module in [*model.layers, model]:
+        module.set_all_reduce_hook(hook)
+    opt = OptimizerWrapper(manager, inner)
+    return model, opt, manager
+
+
+def full_weights(args, model) -> dict[str, torch.Tensor]:
+    if args.engine == "fsdp2":
+        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    import shardkit
+
+    return {n: shardkit.full_tensor(p).clone() for n, p in model.named_parameters()}
+
+
+def main() -> None:
+    args = parse()
+    import faulthandler
+
+    faulthandler.register(signal.SIGTERM, chain=True)  # a rank its launcher stops says where it was
+    rank = int(os.environ["RANK"])
+    out = Path(args.out)
+    if args.engine == "fsdp2":
+        torch.manual_seed(0)
+        model = build_model(args.width)
+        model, opt, manager = fsdp2_setup(args, model)
+    else:
+        import shardkit
+
+        shardkit.init()
+        rank = shardkit.current_context().world.rank
+        torch.manual_seed(0)
+        model = build_model(args.width)
+        model, opt, manager = shardkit_setup(args, model)
+    group_rank = rank % int(os.environ["LOCAL_WORLD_SIZE"]) if args.engine == "plain" else rank
+    group = args.group if args.engine != "plain" else rank // int(os.environ["LOCAL_WORLD_SIZE"])
+    log = open(out / f"group{group}_rank{group_rank}.jsonl", "a", buffering=1)
+    marker = out / f"killed_group{group}_rank{group_rank}"  # each rank's own: no race
+    log.write(json.dumps({"event": "start", "t": time.time(), "pid": os.getpid()}) + "\n")
+
+    def current_step(i: int) -> int:
+        if args.engine == "plain":
+            return i
+        if args.engine == "fsdp2":
+            return manager.current_step()
+        return opt.current_step
+
+    i = 0
+    while current_step(i) < args.steps:
+        step = current_step(i)
+        t0 = time.time()
+        opt.zero_grad()
+        x, y = batch(step, group, group_rank, args.width)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        ft_manager = manager if args.engine == "fsdp2" else getattr(opt, "cross_groups", None)
+        ft_manager = getattr(ft_manager, "manager", ft_manager)
+        if ft_manager is not None:
+            participating = ft_manager.is_participating()
+            participants = ft_manager.num_participants()
+            quorum = ft_manager._quorum_id
+        else:
+            participating, participants, quorum = True, 1, 0
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        opt.step()
+        committed = True
+        if args.engine == "shardkit":
+            committed = bool(opt.committed)
+        elif args.engine == "fsdp2":
+            committed = manager.current_step() > step
+        t1 = time.time()
+        log.write(json.dumps({"step": step, "committed": committed, "participating": participating,
+                              "participants": participants, "quorum": quorum, "loss": loss.item(), "t0": t0,
+                              "t1": t1}) + "\n")
+        i += 1
+        if step == args.kill_at and committed and not marker.exists():
+            marker.write_text(str(time.time()))
+            log.write(json.dumps({"event": "kill", "t": time.time()}) + "\n")
+            log.close()
+            os.kill(os.getpid(), signal.SIGKILL)
+    weights = full_weights(args, model)
+    if group_rank == 0:
+        torch.save(weights, out / f"final_group{group}.pt")
+    log.write(json.dumps({"event": "done", "t": time.time()}) + "\n")
+    log.close()
+    if args.engine == "fsdp2":
+        manager.shutdown(wait=False)
+    os._exit(0)  # torchft's server threads would otherwise hold the process past the job's end
+
+
+if __name__ == "__main__":
+    main()
