@@ -80,6 +80,20 @@ class FTJob:
         self.launchers[group] = proc
         return proc
 
+    def start_plain(self) -> None:
+        """No torchft: one shardkit HYBRID_SHARD job over every group's node (group g = node g+1)."""
+        for group in range(self.groups):
+            node = group + 1
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            log = open(self.out / f"launcher{group}.log", "ab")
+            self.launchers[group] = self.cluster.start(node, [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.groups),
+                "--node-rank", str(group), "--nproc-per-node", str(RANKS_PER_GROUP),
+                "--master-addr", self.cluster.address(1), "--master-port", "29500",
+                str(HERE / "_ft_worker.py"), "--group", str(group), "--steps", str(self.steps),
+                "--out", str(self.out), "--engine", "plain", *self.worker_args],
+                env=env, stdout=log, stderr=subprocess.STDOUT)
+
     def start(self, extra: dict[int, tuple[str, ...]] | None = None) -> None:
         """The lighthouse, then every group."""
         self.start_lighthouse()
@@ -125,7 +139,7 @@ class FTJob:
 
     def steps_of(self, group: int) -> list[dict]:
         """Group `group`'s step records (rank 0)."""
-        return [r for r in self.records(group) if "step" in r]
+        return [r for r in self.records(group) if "committed" in r]
 
     def final_weights(self, group: int) -> dict[str, torch.Tensor]:
         """The full weights group `group` ended with."""
@@ -163,6 +177,27 @@ def replay(participants: list[list[int]], width: int) -> dict[str, torch.Tensor]
         F.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def outage(job: FTJob, survivors: list[int], killed: list[int]) -> dict:
+    """Stall (s), step attempts the survivors lost, and each killed group's time to rejoin (s)."""
+    kill_t = min(r["t"] for g in killed for r in job.records(g) if r.get("event") == "kill")
+    times = [r["t1"] - r["t0"] for g in survivors for r in job.steps_of(g)]
+    typical = sorted(times)[len(times) // 2]
+    around = [r["t1"] - r["t0"] for g in survivors for r in job.steps_of(g)
+              if r["t1"] >= kill_t and r["t0"] <= kill_t + 10]
+    lost = sum(not r["committed"] for g in survivors for r in job.steps_of(g))
+    rejoin = {}
+    for g in killed:
+        restarts = [r for r in job.records(g) if r.get("event") == "start"]
+        assert len(restarts) == 2, f"group {g} was not restarted exactly once"
+        back = [r for r in job.steps_of(g) if r["t0"] > restarts[1]["t"] and r["participating"]
+                and r["committed"]]
+        assert back, f"group {g} never took part again after its restart"
+        rejoin[g] = {"relaunch_s": restarts[1]["t"] - kill_t,
+                     "rejoin_s": back[0]["t1"] - kill_t}
+    return {"stall_s": max(around) - typical, "typical_step_s": typical,
+            "lost_attempts": lost / len(survivors), "rejoin": rejoin}
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -36,7 +36,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--out", required=True)
     ap.add_argument("--engine", default="shardkit", choices=("shardkit", "fsdp2", "plain"))
     ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--kill-at", type=int, default=-1, help="every rank SIGKILLs itself at this step, once")
+    ap.add_argument("--kill-at", type=int, default=-1,
+                    help="every rank SIGKILLs itself at this step, once: between its forward and "
+                         "backward (the other groups are then inside the step's all-reduce)")
+    ap.add_argument("--stats-at", type=int, default=-1,
+                    help="record comm_stats of this step (shardkit engines)")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (pacing)")
     ap.add_argument("--timeout", type=float, default=20.0)
     ap.add_argument("--quorum-timeout", type=float, default=30.0)
@@ -67,24 +71,53 @@ def fsdp2_setup(args, model):
     from torchft.optim import OptimizerWrapper
     from torchft.process_group import ProcessGroupGloo
 
-    dist.init_process_group("gloo")
+    # The group's default process group comes from shardkit.init(): a plain
+    # init_process_group("gloo") in a group torchrun restarted failed here ("Gloo connectFullMesh
+    # failed ... Connection refused" to its own node); shardkit's job-store rendezvous does not.
+    import shardkit
+
+    shardkit.init(backend="cpu")
+    # A group torchrun restarts finds the dead incarnation's Manager address in the store and
+    # waits on it (seen here: the restarted group never came back); shardkit clears it the same way.
+    if dist.get_rank() == 0:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, wait_for_workers=False)
+        for key in ("manager_addr", "replica_id"):
+            try:
+                store.delete_key(key)
+            except Exception:  # noqa: BLE001 - absent on a first start
+                pass
+    dist.barrier()
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
+    # This rank's shards as plain tensors: torchft's HTTP transport cannot stream FSDP2's
+    # DTensor state_dict ("both buffer length (0) and count (-1) must not be 0" on receipt).
+    from torch.distributed.tensor import DTensor
+
     def save():
-        return {"model": model.state_dict(), "optim": inner.state_dict()}
+        local = {n: v.to_local().clone() if isinstance(v, DTensor) else v
+                 for n, v in model.state_dict().items()}
+        return {"model": local, "optim": inner.state_dict()}
 
     def load(sd):
-        model.load_state_dict(sd["model"])
+        with torch.no_grad():
+            for n, v in model.state_dict().items():
+                (v.to_local() if isinstance(v, DTensor) else v).copy_(sd["model"][n])
         inner.load_state_dict(sd["optim"])
 
     manager = Manager(pg=ProcessGroupGloo(), load_state_dict=load, state_dict=save,
                       min_replica_size=args.min_groups,
                       timeout=__import__("datetime").timedelta(seconds=args.timeout),
                       quorum_timeout=__import__("datetime").timedelta(seconds=args.quorum_timeout),
-                      replica_id=f"fsdp2_replica_group_{args.group}")
+                      replica_id=f"fsdp2_replica_group_{args.group}",
+                      # torchft 0.2.0 sends a healthy group's state from its quorum thread; with
+                      # the async quorum that read races FSDP2's forward, which swaps and frees
+                      # the parameters it reads ("storage of size 0", "mixed torch.Tensor and
+                      # DTensor" seen here). A synchronous quorum sends before the forward starts.
+                      use_async_quorum=False)
 
     def hook(output: torch.Tensor) -> None:
         manager.allreduce(output).wait()
@@ -142,6 +175,15 @@ def main() -> None:
         opt.zero_grad()
         x, y = batch(step, group, group_rank, args.width)
         loss = F.mse_loss(model(x), y)
+        if step == args.kill_at and not marker.exists():
+            marker.write_text(str(time.time()))
+            log.write(json.dumps({"event": "kill", "step": step, "t": time.time()}) + "\n")
+            log.close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.stats_at and args.engine != "fsdp2":
+            import shardkit
+
+            shardkit.comm_stats(model, reset=True)
         loss.backward()
         ft_manager = manager if args.engine == "fsdp2" else getattr(opt, "cross_groups", None)
         ft_manager = getattr(ft_manager, "manager", ft_manager)
@@ -160,15 +202,15 @@ def main() -> None:
         elif args.engine == "fsdp2":
             committed = manager.current_step() > step
         t1 = time.time()
+        if step == args.stats_at and args.engine != "fsdp2":
+            import shardkit
+
+            log.write(json.dumps({"event": "comm_stats", "step": step, "participants": participants,
+                                  "stats": shardkit.comm_stats(model)}) + "\n")
         log.write(json.dumps({"step": step, "committed": committed, "participating": participating,
                               "participants": participants, "quorum": quorum, "loss": loss.item(), "t0": t0,
                               "t1": t1}) + "\n")
         i += 1
-        if step == args.kill_at and committed and not marker.exists():
-            marker.write_text(str(time.time()))
-            log.write(json.dumps({"event": "kill", "t": time.time()}) + "\n")
-            log.close()
-            os.kill(os.getpid(), signal.SIGKILL)
     weights = full_weights(args, model)
     if group_rank == 0:
         torch.save(weights, out / f"final_group{group}.pt")

@@ -33,6 +33,7 @@ from .activations import InputsFn
 from .nodes import inter_node_by_rank, stat_kind
 from .replay import Timeline
 from .optimizers import state_tensors
+from .recovery import with_recovery
 from .result import Plan, UnitRow
 from .workload import Target, Workload, with_step
 
@@ -111,7 +112,8 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
          reshard_after_forward: ReshardSpec = None, batch: int | None = None,
          seq: int | None = None, activation_checkpointing: bool = False,
          example_inputs: InputsFn | None = None, nodes: int | None = None,
-         threads_per_rank: int | None = None, quantize: Quantization | None = None) -> Plan:
+         threads_per_rank: int | None = None, quantize: Quantization | None = None,
+         fault_tolerant: bool = False) -> Plan:
     """Predict per-rank memory and bytes sent per step for `model` sharded as shard() would.
 
     The model may live on the meta device (nothing is allocated; a 70B config plans in seconds).
@@ -141,6 +143,11 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
       of the model under a backend that moves no bytes (planner/rehearsal.py).
     - quantize: shardkit.Quantization, as for shard(): the quantized collectives' bytes (int8
       codes plus a 4-byte scale per block) in comm, and their buffers in the rehearsed step.
+    - fault_tolerant: HYBRID_SHARD with shard(..., fault_tolerance=...), the replica groups
+      being world_size / hybrid_group_size separate jobs: Plan.recovery_bytes is the copy of its
+      state a rejoining rank receives, inside the peak where the device is the host
+      (planner/recovery.py); the traffic is HYBRID_SHARD's (the all-reduce across groups sends
+      what the replicas' all-reduce sends).
     - threads_per_rank: intra-op threads per rank (default this process's), for kernels whose
       scratch grows with them (Capabilities.kernel_workspace).
     The returned Plan's docstring says what its peak includes.
@@ -170,6 +177,8 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
                                            direct, config, n_states, per_node)
     result = _assemble(rows, split, stats, world, strat, group, replicas, align, optimizer, mp,
                        bool(cpu_offload), prefetch, _quantized(config.quantization))
+    if fault_tolerant:
+        result = with_recovery(result, plan_target(backend, shard_alignment).device_type)
     if nodes is not None:
         calls = [c for row in rows for c in row.collectives]
         result.comm["nodes"] = nodes
@@ -188,7 +197,9 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
                         options, optimizer, target, threads(threads_per_rank))
     timeline = workload.timeline(world, strat.name, bool(cpu_offload), activation_checkpointing,
                                  batch)
-    return step_plan(result, timeline, target, batch, seq, activation_checkpointing)
+    # The rehearsed peak replaces the static one: the recovery copy is added to it afresh.
+    stepped = step_plan(result, timeline, target, batch, seq, activation_checkpointing)
+    return with_recovery(stepped, target.device_type) if fault_tolerant else stepped
 
 
 def threads(threads_per_rank: int | None) -> int:

@@ -149,6 +149,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(shardkit.Quantization)")
     p.add_argument("--quantize-block", type=positive_int, default=256, metavar="N",
                    help="elements per fp32 scale of --quantize (default 256)")
+    p.add_argument("--fault-tolerant", action="store_true",
+                   help="HYBRID_SHARD with shard(..., fault_tolerance=...): add the copy of its "
+                        "state a rejoining rank receives (see Plan.recovery_bytes)")
     p.add_argument("--optimizer", default="adam", choices=sorted(STATE_TENSORS_PER_PARAM))
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--reshard-after-forward", type=_reshard, default=None,
@@ -232,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
         return _step_time(args, model, options, heading)
     result = plan(model, world_size=args.world_size, strategy=args.strategy,
                   cpu_offload=args.cpu_offload, reshard_after_forward=args.reshard_after_forward,
-                  batch=args.batch, seq=args.seq, activation_checkpointing=args.ac, **options)
+                  batch=args.batch, seq=args.seq, activation_checkpointing=args.ac,
+                  fault_tolerant=args.fault_tolerant, **options)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

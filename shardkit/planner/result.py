@@ -79,6 +79,9 @@ class Plan:
     step_bytes: int | None = None  # see the class docstring
     margin_bytes: int | None = None  # of peak_bytes: added for what the rehearsal cannot see
     quantized: str = ""  # what travels as int8 blocks (shardkit.Quantization), "" for nothing
+    # fault_tolerant=True: the copy of its shards and optimizer state a rejoining rank receives
+    # (host memory; inside peak_bytes where the device is the host): planner/recovery.py
+    recovery_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-friendly builtins (units as a list of dicts)."""
@@ -127,6 +130,10 @@ class Plan:
                       for k in COLLECTIVES)]
         if "inter_node_by_rank" in self.comm:
             lines.append(self._inter_node_line())
+        if self.recovery_bytes:
+            lines.append(f"fault tolerant: a rejoining rank receives {_size(self.recovery_bytes)} "
+                         "(its shards and optimizer state, held in host memory until loaded; "
+                         "in the peak where the device is the host)")
         return "\n".join(lines)
 
     def _inter_node_line(self) -> str:

@@ -1,0 +1,344 @@
+"""Fault tolerance across replica groups (torchft): HYBRID_SHARD keeps training when a group fails.
+
+The multi-process tests run on simulated nodes (tests/simcluster.py): the lighthouse on its own
+node, each replica group (2 ranks, its own torchrun with --max-restarts 1) on its own. Every
+run's final weights are compared with `replay`: the unsharded model trained in one process on
+exactly the steps that were committed, each with exactly the groups that took part (the
+effective batch shrinks while a group is away: the mean is over the samples that were there).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardkit
+from shardkit.errors import ShardkitError, UnsupportedOperationError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import simcluster  # noqa: E402
+from _ft_harness import (FTJob, lighthouse_binary, outage, participants_by_step, replay,  # noqa: E402
+                         stop)
+from _ft_model import build_model  # noqa: E402
+
+HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
+needs_torchft = pytest.mark.skipif(not HAS_TORCHFT, reason="torchft is not installed ([ft] extra)")
+WIDTH = 64
+
+
+def _skip_without_namespaces() -> None:
+    why = simcluster.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    if not Path(lighthouse_binary()).exists():
+        pytest.skip("torchft_lighthouse is not installed next to this Python")
+
+
+# ---- configuration and refusals: no peers needed -------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"replica_group": -1}, "replica_group"),
+    ({"replica_group": "0"}, "replica_group"),
+    ({"replica_group": 0, "min_replica_groups": 0}, "min_replica_groups"),
+    ({"replica_group": 0, "timeout_s": 0}, "timeout_s"),
+    ({"replica_group": 0, "quorum_timeout_s": -1}, "quorum_timeout_s"),
+    ({"replica_group": 0, "lighthouse": 29510}, "lighthouse"),
+])
+def test_bad_fault_tolerance_values_are_named(kwargs, says):
+    with pytest.raises(ShardkitError, match=says):
+        shardkit.FaultTolerance(**kwargs)
+
+
+@pytest.fixture
+def one_rank():
+    shardkit.init(backend="cpu")
+    yield
+    shardkit.shutdown()
+
+
+def test_fault_tolerance_needs_hybrid_shard(one_rank):
+    with pytest.raises(ShardkitError, match="needs strategy HYBRID_SHARD"):
+        shardkit.shard(build_model(8), strategy="full_shard",
+                       fault_tolerance=shardkit.FaultTolerance(replica_group=0))
+
+
+def test_fault_tolerance_refuses_a_group_size_other_than_the_job(one_rank):
+    with pytest.raises(ShardkitError, match="hybrid_group_size must be left out"):
+        shardkit.shard(build_model(8), strategy="hybrid_shard", hybrid_group_size=2,
+                       fault_tolerance=shardkit.FaultTolerance(replica_group=0))
+
+
+def test_fault_tolerance_is_a_fault_tolerance_object(one_rank):
+    with pytest.raises(ShardkitError, match="must be a shardkit.FaultTolerance"):
+        shardkit.shard(build_model(8), strategy="hybrid_shard", fault_tolerance=True)
+
+
+@needs_torchft
+def test_missing_lighthouse_says_how_to_start_one(one_rank, monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ShardkitError, match="torchft_lighthouse --min_replicas 1"):
+        shardkit.shard(build_model(8), strategy="hybrid_shard",
+                       fault_tolerance=shardkit.FaultTolerance(replica_group=0))
+
+
+def test_missing_torchft_names_the_extra(one_rank, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft -> ImportError
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
+    with pytest.raises(ShardkitError, match=r"\[ft\]"):
+        shardkit.shard(build_model(8), strategy="hybrid_shard",
+                       fault_tolerance=shardkit.FaultTolerance(replica_group=0))
+
+
+def test_optimizer_wrapper_needs_a_fault_tolerant_model(one_rank):
+    model = shardkit.shard(build_model(8), strategy="hybrid_shard")
+    with pytest.raises(ShardkitError, match="needs a model sharded with"):
+        shardkit.fault_tolerant_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_each_backend_names_its_torchft_group_or_why_not():
+    from shardkit.backend import Backend
+    from shardkit_backends.xla.backend import XLABackend
+    from shardkit_backends.xpu.backend import XPUBackend
+
+    timeout = datetime.timedelta(seconds=5)
+
+    class Bare(Backend):
+        name = "bare"
+
+    with pytest.raises(UnsupportedOperationError, match="override fault_tolerant_process_group"):
+        Bare.fault_tolerant_process_group(object.__new__(Bare), timeout)
+    with pytest.raises(UnsupportedOperationError, match="traced into the step's compiled graph"):
+        XLABackend.fault_tolerant_process_group(object.__new__(XLABackend), timeout)
+    legacy = object.__new__(XPUBackend)
+    legacy.process_group_backend = lambda: "ccl"  # type: ignore[method-assign]
+    with pytest.raises(UnsupportedOperationError, match="native xccl"):
+        XPUBackend.fault_tolerant_process_group(legacy, timeout)
+    if HAS_TORCHFT:
+        from shardkit_backends.cpu import CPUBackend
+        from shardkit_backends.cuda.backend import CUDABackend
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        assert isinstance(CPUBackend().fault_tolerant_process_group(timeout), ProcessGroupGloo)
+        if torch.cuda.is_available():  # torchft's NCCL group needs a CUDA build of torch
+            assert isinstance(CUDABackend.fault_tolerant_process_group(
+                object.__new__(CUDABackend), timeout), ProcessGroupNCCL)
+            pair = shardkit.get_backend("cuda+gloo")
+            assert isinstance(pair.fault_tolerant_process_group(timeout), ProcessGroupGloo)
+
+
+# ---- one group, one process: lifetime, the optimizer's contract ----------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def lighthouse():
+    if not HAS_TORCHFT or not Path(lighthouse_binary()).exists():
+        pytest.skip("torchft is not installed ([ft] extra)")
+    port = _free_port()
+    proc = subprocess.Popen([lighthouse_binary(), "--min_replicas", "1", "--bind",
+                             f"127.0.0.1:{port}", "--join_timeout_ms", "100"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.3)
+    yield f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait()
+
+
+@needs_torchft
+def test_one_group_trains_like_plain_adamw_and_frees_the_model(lighthouse, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    shardkit.init(backend="cpu")
+    try:
+        torch.manual_seed(0)
+        reference = build_model(WIDTH)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        torch.manual_seed(0)
+        model = shardkit.shard(build_model(WIDTH), strategy="hybrid_shard",
+                               fault_tolerance=shardkit.FaultTolerance(
+                                   replica_group=0, lighthouse=lighthouse, timeout_s=10,
+                                   quorum_timeout_s=10))
+        opt = shardkit.fault_tolerant_optimizer(model, torch.optim.AdamW(model.parameters(),
+                                                                         lr=1e-2))
+        with pytest.raises(ShardkitError, match="already has a fault-tolerant optimizer"):
+            shardkit.fault_tolerant_optimizer(model, torch.optim.SGD(model.parameters(), lr=1))
+        from _ft_model import batch
+
+        for step in range(3):
+            x, y = batch(step, 0, 0, WIDTH)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            torch.nn.functional.mse_loss(reference(x), y).backward()
+            ref_opt.step()
+            assert opt.committed and opt.participating_groups == 1
+        assert opt.current_step == 3
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(shardkit.full_tensor(p), q.detach(), rtol=0, atol=1e-6,
+                                       msg=name)
+        # backward without zero_grad() first: the step's quorum was never asked for
+        x, y = batch(3, 0, 0, WIDTH)
+        with pytest.raises(ShardkitError, match="before this step's quorum was started"):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        manager = opt.cross_groups.manager
+        gone = weakref.ref(model)
+        del model, opt, x, y
+        gc.collect()
+        assert gone() is None, "the torchft Manager kept the model alive"
+        assert manager._executor._shutdown, "the model's Manager was not shut down with it"
+    finally:
+        shardkit.shutdown()
+
+
+# ---- simulated nodes: one replica group per node ----------------------------------------------------
+
+def _run(tmp_path: Path, groups: int, steps: int, extra: dict, timeout: float = 240,
+         **job_kwargs) -> FTJob:
+    with simcluster.SimCluster(groups + 1, hostnames=True) as cluster:
+        job = FTJob(cluster, groups, steps, tmp_path / "run",
+                    worker_args=("--step-sleep", "0.1", "--width", str(WIDTH)), **job_kwargs)
+        job.start(extra)
+        codes = job.wait(timeout)
+        assert codes == {g: 0 for g in range(groups)}, job.tails()
+    return job
+
+
+def _check_against_reference(job: FTJob, steps: int) -> list[list[int]]:
+    participants = participants_by_step(job, steps)
+    finals = [job.final_weights(g) for g in range(job.groups)]
+    for g in range(1, job.groups):
+        for name in finals[0]:
+            assert torch.equal(finals[0][name], finals[g][name]), (
+                f"group {g} ends with other {name} than group 0")
+    expected = replay(participants, WIDTH)
+    for name, value in expected.items():
+        torch.testing.assert_close(finals[0][name], value, rtol=0, atol=2e-5, msg=name)
+    return participants
+
+
+@pytest.mark.long
+@needs_torchft
+def test_a_killed_group_restarts_and_rejoins_while_the_others_train_on(tmp_path):
+    """3 groups; every rank of group 2 dies mid-step 15 (between forward and backward)."""
+    _skip_without_namespaces()
+    steps = 70
+    job = _run(tmp_path, 3, steps, {2: ("--kill-at", "15"), 0: ("--stats-at", "60")})
+    for g in (0, 1):
+        starts = [r for r in job.records(g) if r.get("event") == "start"]
+        assert len(starts) == 1, f"survivor group {g} was restarted"
+    participants = _check_against_reference(job, steps)
+    assert participants[14] == [0, 1, 2] and participants[-1] == [0, 1, 2]
+    assert [0, 1] in participants[15:25], "the survivors never committed a step without group 2"
+    seen = outage(job, [0, 1], [2])
+    print("outage:", seen)
+    assert seen["lost_attempts"] <= 2
+    assert seen["stall_s"] < 15, seen
+    # comm_stats counts the all-reduce across groups: 2(G-1)/G of this rank's row per step
+    (stats,) = [r for r in job.records(0) if r.get("event") == "comm_stats"]
+    groups, sent = stats["participants"], stats["stats"]
+    row_bytes = sent["reduce_scatter"]  # a 2-rank reduce-scatter sends one row
+    n_params = sum(p.numel() for p in build_model(WIDTH).parameters())
+    assert 4 * -(-n_params // 2) <= row_bytes < 4 * (-(-n_params // 2) + 256)
+    assert sent["all_reduce"] == round(2 * (groups - 1) / groups * row_bytes)
+    assert sent["inter_node"]["all_reduce"] == sent["all_reduce"]
+
+
+@pytest.mark.long
+@needs_torchft
+def test_two_groups_die_at_once_and_both_rejoin(tmp_path):
+    _skip_without_namespaces()
+    steps = 70
+    job = _run(tmp_path, 3, steps, {1: ("--kill-at", "15"), 2: ("--kill-at", "15")})
+    starts = [r for r in job.records(0) if r.get("event") == "start"]
+    assert len(starts) == 1
+    participants = _check_against_reference(job, steps)
+    assert [0] in participants[15:30], "group 0 never trained alone"
+    assert participants[-1] == [0, 1, 2]
+    print("outage:", outage(job, [0], [1, 2]))
+
+
+@pytest.mark.long
+@needs_torchft
+def test_a_group_stopped_for_less_than_the_timeout_is_not_dropped(tmp_path):
+    """SIGSTOP every rank of group 1 for 1.5 s (heartbeats stop too; the lighthouse allows 4 s)."""
+    _skip_without_namespaces()
+    steps = 60
+    with simcluster.SimCluster(3, hostnames=True) as cluster:
+        job = FTJob(cluster, 2, steps, tmp_path / "run", heartbeat_ms=4000,
+                    worker_args=("--step-sleep", "0.1", "--width", str(WIDTH)))
+        job.start()
+        deadline = time.time() + 120
+        while not [r for r in job.steps_of(1) if r["step"] >= 20 and r["participants"] == 2]:
+            assert time.time() < deadline, job.tails()
+            time.sleep(0.2)
+        pids = job.worker_pids(1)
+        stop_t = time.time()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(1.5)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        assert job.wait(180) == {0: 0, 1: 0}, job.tails()
+    after = [r for g in (0, 1) for r in job.steps_of(g) if r["t1"] >= stop_t]
+    assert after and all(r["committed"] and r["participants"] == 2 for r in after), after
+    assert len({r["quorum"] for r in after}) == 1, "the stop changed the quorum"
+    slowest = max(r["t1"] - r["t0"] for r in after)
+    assert slowest > 1.2, "the other group did not wait for the stopped one"
+    _check_against_reference(job, steps)
+
+
+@pytest.mark.long
+@needs_torchft
+def test_the_lighthouse_dying_ends_every_group_with_a_clear_message(tmp_path):
+    _skip_without_namespaces()
+    with simcluster.SimCluster(3, hostnames=True) as cluster:
+        job = FTJob(cluster, 2, 100000, tmp_path / "run",
+                    worker_args=("--step-sleep", "0.05", "--width", str(WIDTH),
+                                 "--quorum-timeout", "5", "--timeout", "5"))
+        job.start_lighthouse()
+        time.sleep(0.5)
+        for g in range(2):
+            job.start_group(g, max_restarts=0)
+        deadline = time.time() + 120
+        while not [r for r in job.steps_of(1) if r["participants"] == 2 and r["step"] > 5]:
+            assert time.time() < deadline, job.tails()
+            time.sleep(0.2)
+        stop(job.lighthouse)
+        died = time.time()
+        codes = job.wait(90)
+        ended = time.time() - died
+    assert all(code != 0 for code in codes.values()), codes
+    for g in range(2):
+        log = (job.out / f"launcher{g}.log").read_text(errors="replace")
+        assert "got no quorum from the torchft lighthouse" in log, job.tails()
+    print(f"groups ended {ended:.1f} s after the lighthouse died")
+    assert ended < 60
+
+
+def test_harness_cleans_its_hosts_files():
+    """SimCluster(hostnames=True) leaves nothing in /etc/netns."""
+    if simcluster.unavailable_reason():
+        pytest.skip(simcluster.unavailable_reason())
+    with simcluster.SimCluster(2, hostnames=True) as cluster:
+        names = list(cluster.names)
+        assert Path(f"/etc/netns/{names[0]}/hosts").read_text().count(cluster.address(1)) == 1
+    assert not any(Path(f"/etc/netns/{n}").exists() for n in names)
