@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _ft_model import batch, build_model  # noqa: E402
+from _ft_model import batch, build_model
 
 
 def parse() -> argparse.Namespace:
@@ -39,6 +39,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kill-at", type=int, default=-1,
                     help="every rank SIGKILLs itself at this step, once: between its forward and "
                          "backward (the other groups are then inside the step's all-reduce)")
+    ap.add_argument("--ckpt", default="", help="shardkit engine: save a sharded checkpoint here at the end")
     ap.add_argument("--stats-at", type=int, default=-1,
                     help="record comm_stats of this step (shardkit engines)")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (pacing)")
@@ -212,6 +213,10 @@ def main() -> None:
                               "t1": t1}) + "\n")
         i += 1
     weights = full_weights(args, model)
+    if args.ckpt:
+        import shardkit.checkpoint as ck
+
+        ck.save(Path(args.ckpt) / f"group{group}", model, opt, step=current_step(i))
     if group_rank == 0:
         torch.save(weights, out / f"final_group{group}.pt")
     log.write(json.dumps({"event": "done", "t": time.time()}) + "\n")

@@ -120,3 +120,18 @@ def test_lightning_example_learns_and_resumes_at_three_devices(tmp_path):
     # --epochs counts the epochs a resumed run adds: the checkpoint finished epochs 0 and 1
     assert "resumed after epoch 1; trained epochs 2 to 2" in out, out
     assert float(re.findall(r"final: .*val_acc ([\d.]+)", out)[-1]) > 0.9, out
+
+
+@pytest.mark.long
+def test_fault_tolerant_example_survives_a_group_dying(tmp_path):
+    pytest.importorskip("torchft")
+    out = run_example("fault_tolerant", "--groups", "2", "--steps", "120", "--kill-group", "1",
+                      "--kill-at", "20", "--lighthouse-port", "29630")
+    for group in (0, 1):
+        assert f"group {group}: 120 steps committed" in out, out
+    assert "group 0: never restarted" in out, out
+    rejoined = re.search(r"group 1: died at step 20, relaunched ([\d.]+) s later, training with "
+                         r"the others again after ([\d.]+) s", out)
+    assert rejoined, out
+    losses = [float(x) for x in re.findall(r"last loss ([\d.]+)", out)]
+    assert max(losses) < 0.5, out  # digits: 2.3 at the start

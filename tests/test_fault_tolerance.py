@@ -28,10 +28,10 @@ import shardkit
 from shardkit.errors import ShardkitError, UnsupportedOperationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import simcluster  # noqa: E402
-from _ft_harness import (FTJob, lighthouse_binary, outage, participants_by_step, replay,  # noqa: E402
+import simcluster
+from _ft_harness import (FTJob, lighthouse_binary, outage, participants_by_step, replay,
                          stop)
-from _ft_model import build_model  # noqa: E402
+from _ft_model import build_model
 
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 needs_torchft = pytest.mark.skipif(not HAS_TORCHFT, reason="torchft is not installed ([ft] extra)")
@@ -241,7 +241,9 @@ def test_a_killed_group_restarts_and_rejoins_while_the_others_train_on(tmp_path)
     """3 groups; every rank of group 2 dies mid-step 15 (between forward and backward)."""
     _skip_without_namespaces()
     steps = 70
-    job = _run(tmp_path, 3, steps, {2: ("--kill-at", "15"), 0: ("--stats-at", "60")})
+    ckpt = tmp_path / "ckpt"
+    job = _run(tmp_path, 3, steps, {2: ("--kill-at", "15", "--ckpt", str(ckpt)),
+                                    0: ("--stats-at", "60")})
     for g in (0, 1):
         starts = [r for r in job.records(g) if r.get("event") == "start"]
         assert len(starts) == 1, f"survivor group {g} was restarted"
@@ -260,6 +262,24 @@ def test_a_killed_group_restarts_and_rejoins_while_the_others_train_on(tmp_path)
     assert 4 * -(-n_params // 2) <= row_bytes < 4 * (-(-n_params // 2) + 256)
     assert sent["all_reduce"] == round(2 * (groups - 1) / groups * row_bytes)
     assert sent["inter_node"]["all_reduce"] == sent["all_reduce"]
+    # the restarted group's sharded checkpoint (model + the wrapped optimizer) loads at 1 rank
+    _load_checkpoint_alone(ckpt / "group2", job.final_weights(0), steps)
+
+
+def _load_checkpoint_alone(path: Path, expected: dict, steps: int) -> None:
+    import shardkit.checkpoint as ck
+
+    shardkit.init(backend="cpu")
+    try:
+        model = shardkit.shard(build_model(WIDTH))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ck.load(path, model, opt)
+        for name, p in model.named_parameters():
+            assert torch.equal(shardkit.full_tensor(p), expected[name]), name
+        assert all(int(s["step"]) == steps for s in opt.state.values()), (
+            "the healed group's optimizer state did not come with it")
+    finally:
+        shardkit.shutdown()
 
 
 @pytest.mark.long

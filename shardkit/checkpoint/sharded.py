@@ -194,7 +194,10 @@ def _make_tmp(path: str, tmp: str) -> None:
 
 def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
     """The optimizer's class as module.QualName: what a checkpoint records and load compares."""
-    cls = type(optimizer)
+    # A wrapper that only decides when to step (the fault-tolerant optimizer) holds the wrapped
+    # optimizer's state: its checkpoints are that optimizer's, loadable with or without it.
+    inner = getattr(optimizer, "wrapped_optimizer", None)
+    cls = type(inner if isinstance(inner, torch.optim.Optimizer) else optimizer)
     return f"{cls.__module__}.{cls.__qualname__}"
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from typing_extensions import override
 
 from ..errors import ShardkitError
 
@@ -26,7 +27,7 @@ class FaultTolerantOptimizer(torch.optim.Optimizer):
         self.committed: bool | None = None  # the last step's outcome (None before the first)
         self.defaults = optimizer.defaults
 
-    @property  # type: ignore[override]
+    @property  # type: ignore[explicit-override]  # mypy takes no @override on a settable property
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's parameter groups."""
         return self.optimizer.param_groups
@@ -35,7 +36,7 @@ class FaultTolerantOptimizer(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property  # type: ignore[explicit-override]  # mypy takes no @override on a settable property
     def state(self) -> Any:
         """The wrapped optimizer's per-parameter state."""
         return self.optimizer.state
@@ -44,11 +45,13 @@ class FaultTolerantOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.optimizer.state = value
 
+    @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Join this step's quorum (it forms during the forward), then clear the gradients."""
         self.cross_groups.start_quorum()
         self.optimizer.zero_grad(set_to_none)
 
+    @override
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         """Step the wrapped optimizer if every group committed this step; else leave the weights."""
         if closure is not None:
@@ -62,14 +65,22 @@ class FaultTolerantOptimizer(torch.optim.Optimizer):
         if self.committed:
             self.optimizer.step()
 
+    @property
+    def wrapped_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer this one steps (checkpoints record its class: they load with or without the wrapper)."""
+        return self.optimizer
+
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state_dict."""
         return self.optimizer.state_dict()
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the wrapped optimizer."""
         self.optimizer.load_state_dict(state_dict)
 
+    @override
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add to the wrapped optimizer."""
         self.optimizer.add_param_group(param_group)
@@ -93,6 +104,7 @@ class FaultTolerantOptimizer(torch.optim.Optimizer):
         """Group-batches committed so far: the sum over committed steps of the groups taking part."""
         return int(self.cross_groups.manager.batches_committed())
 
+    @override
     def __repr__(self) -> str:
         return f"FaultTolerantOptimizer({self.optimizer!r})"
 

@@ -31,6 +31,7 @@ class UnitRuntime(Protocol):
     shard_group: Group
     replica_group: Group | None
     node_hops: tuple[Group, Group] | None
+    cross_groups: Any  # the all-reduce across fault-tolerant replica groups, or None
     pool: BufferPool
     stats: CommStats
     gather_stream: Any
