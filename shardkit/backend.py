@@ -406,8 +406,8 @@ class Backend:
         """A torchft process group for the all-reduce across replica groups (reconfigured per quorum)."""
         raise UnsupportedOperationError(
             f"backend {self.name!r} names no torchft process group, so its replica groups cannot "
-            "be made fault tolerant; HINT: run on a backend that does (cpu/gloo, cuda/nccl, "
-            "xpu/xccl), or override fault_tolerant_process_group() in the backend plugin")
+            "be made fault tolerant; HINT: run on a backend that does (the built-in cpu, cuda "
+            "and xpu backends do), or override fault_tolerant_process_group() in the backend plugin")
 
     # ==== host copies and memory figures: checkpoints, the demo, users timing phases
     # Left out: detach().cpu() copies (pinned, one sync, where the device has streams) and the
