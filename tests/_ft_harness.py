@@ -41,10 +41,10 @@ class FTJob:
 
     def __init__(self, cluster: Any, groups: int, steps: int, out: Path, engine: str = "shardkit",
                  worker_args: tuple[str, ...] = (), heartbeat_ms: int = 2000,
-                 join_ms: int = 1000) -> None:
+                 join_ms: int = 1000, min_replicas: int = 1) -> None:
         self.cluster, self.groups, self.steps, self.out = cluster, groups, steps, out
         self.engine, self.worker_args = engine, worker_args
-        self.heartbeat_ms, self.join_ms = heartbeat_ms, join_ms
+        self.heartbeat_ms, self.join_ms, self.min_replicas = heartbeat_ms, join_ms, min_replicas
         self.lighthouse: subprocess.Popen | None = None
         self.launchers: dict[int, subprocess.Popen] = {}
         out.mkdir(parents=True, exist_ok=True)
@@ -58,7 +58,7 @@ class FTJob:
         """torchft's lighthouse in its own process on node 0."""
         log = open(self.out / "lighthouse.log", "ab")
         self.lighthouse = self.cluster.start(0, [
-            lighthouse_binary(), "--min_replicas", "1",
+            lighthouse_binary(), "--min_replicas", str(self.min_replicas),
             "--bind", f"{self.cluster.address(0)}:{LIGHTHOUSE_PORT}",
             "--heartbeat_timeout_ms", str(self.heartbeat_ms),
             "--join_timeout_ms", str(self.join_ms), "--quorum_tick_ms", "50"],

@@ -46,6 +46,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=20.0)
     ap.add_argument("--quorum-timeout", type=float, default=30.0)
     ap.add_argument("--min-groups", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0, help="the seed the model is built from")
     return ap.parse_args()
 
 
@@ -153,7 +154,7 @@ def main() -> None:
 
         shardkit.init()
         rank = shardkit.current_context().world.rank
-        torch.manual_seed(0)
+        torch.manual_seed(args.seed)
         model = build_model(args.width)
         model, opt, manager = shardkit_setup(args, model)
     group_rank = rank % int(os.environ["LOCAL_WORLD_SIZE"]) if args.engine == "plain" else rank

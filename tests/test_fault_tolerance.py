@@ -354,6 +354,26 @@ def test_the_lighthouse_dying_ends_every_group_with_a_clear_message(tmp_path):
     assert ended < 60
 
 
+@pytest.mark.long
+@needs_torchft
+def test_groups_built_from_other_seeds_are_refused_at_the_first_step(tmp_path):
+    _skip_without_namespaces()
+    with simcluster.SimCluster(3, hostnames=True) as cluster:
+        # Both groups in the first quorum (the lighthouse waits for 2): a group that joins later
+        # is sent the others' weights instead, and nothing differs.
+        job = FTJob(cluster, 2, 20, tmp_path / "run", min_replicas=2,
+                    worker_args=("--width", str(WIDTH), "--timeout", "10"))
+        job.start_lighthouse()
+        time.sleep(0.5)
+        job.start_group(0, max_restarts=0)
+        job.start_group(1, "--seed", "1", max_restarts=0)
+        codes = job.wait(120)
+    assert all(code != 0 for code in codes.values()), codes
+    logs = [(job.out / f"launcher{g}.log").read_text(errors="replace") for g in (0, 1)]
+    assert all("starts from other initial weights than another replica group" in log
+               for log in logs), job.tails()
+
+
 def test_harness_cleans_its_hosts_files():
     """SimCluster(hostnames=True) leaves nothing in /etc/netns."""
     if simcluster.unavailable_reason():
