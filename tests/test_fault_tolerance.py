@@ -161,15 +161,20 @@ def lighthouse():
 
 
 @needs_torchft
-def test_one_group_trains_like_plain_adamw_and_frees_the_model(lighthouse, monkeypatch):
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_one_group_trains_like_plain_adamw_and_frees_the_model(lighthouse, monkeypatch, backend):
+    """cuda: torchft's NCCL group across groups, on one GPU (a group of one rank)."""
+    if backend == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    shardkit.init(backend="cpu")
+    shardkit.init(backend=backend)
+    device = shardkit.current_context().device
     try:
         torch.manual_seed(0)
-        reference = build_model(WIDTH)
+        reference = build_model(WIDTH).to(device)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
         torch.manual_seed(0)
         model = shardkit.shard(build_model(WIDTH), strategy="hybrid_shard",
@@ -183,7 +188,7 @@ def test_one_group_trains_like_plain_adamw_and_frees_the_model(lighthouse, monke
         from _ft_model import batch
 
         for step in range(3):
-            x, y = batch(step, 0, 0, WIDTH)
+            x, y = (t.to(device) for t in batch(step, 0, 0, WIDTH))
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
@@ -196,7 +201,7 @@ def test_one_group_trains_like_plain_adamw_and_frees_the_model(lighthouse, monke
             torch.testing.assert_close(shardkit.full_tensor(p), q.detach(), rtol=0, atol=1e-6,
                                        msg=name)
         # backward without zero_grad() first: the step's quorum was never asked for
-        x, y = batch(3, 0, 0, WIDTH)
+        x, y = (t.to(device) for t in batch(3, 0, 0, WIDTH))
         with pytest.raises(ShardkitError, match="before this step's quorum was started"):
             torch.nn.functional.mse_loss(model(x), y).backward()
         manager = opt.cross_groups.manager
