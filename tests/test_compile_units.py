@@ -30,6 +30,7 @@ def _check(results: dict, names: list[str]) -> None:
         assert run["graphs"][1] == run["graphs"][-1], (name, run["graphs"])  # no recompiles after step 2
 
 
+@pytest.mark.long  # 12 s on 2 cores
 def test_block_compile_after_shard_has_no_breaks_and_no_recompiles():
     # One rank here; every configuration at 1 and 2 ranks in the long lane below.
     names = ["FULL_SHARD"]

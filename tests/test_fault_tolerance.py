@@ -138,6 +138,42 @@ def test_each_backend_names_its_torchft_group_or_why_not():
             assert isinstance(pair.fault_tolerant_process_group(timeout), ProcessGroupGloo)
 
 
+def test_plan_adds_the_copy_a_rejoining_rank_receives():
+    model = build_model(WIDTH)
+    plain = shardkit.plan(model, 6, "hybrid_shard", hybrid_group_size=2)
+    host = shardkit.plan(model, 6, "hybrid_shard", hybrid_group_size=2, fault_tolerant=True)
+    gpu = shardkit.plan(model, 6, "hybrid_shard", hybrid_group_size=2, fault_tolerant=True,
+                        backend="cuda")
+    n = sum(p.numel() for p in model.parameters())
+    shard_bytes = 4 * -(-n // 2)  # fp32 rows of a 2-rank group (padding aside)
+    copy = plain.persistent["params"] + plain.persistent["optimizer"]  # AdamW: params + 2 states
+    assert shard_bytes <= plain.persistent["params"] < shard_bytes + 4 * 256
+    assert copy == 3 * plain.persistent["params"]
+    assert host.recovery_bytes == gpu.recovery_bytes == copy
+    assert host.peak_bytes == plain.peak_bytes + copy  # the host is the device: beside the live state
+    assert gpu.peak_bytes == shardkit.plan(model, 6, "hybrid_shard", hybrid_group_size=2,
+                                           backend="cuda").peak_bytes  # host memory only
+    assert host.comm == plain.comm  # HYBRID_SHARD's traffic
+    assert "a rejoining rank receives" in host.table()
+    with pytest.raises(ShardkitError, match="plans HYBRID_SHARD"):
+        shardkit.plan(model, 6, "full_shard", fault_tolerant=True)
+    stepped = shardkit.plan(model, 6, "hybrid_shard", hybrid_group_size=2, fault_tolerant=True,
+                            batch=4, example_inputs=lambda b, s: ((torch.empty(b, WIDTH,
+                                                                               device="meta"),), {}))
+    unstepped = shardkit.plan(model, 6, "hybrid_shard", hybrid_group_size=2, batch=4,
+                              example_inputs=lambda b, s: ((torch.empty(b, WIDTH, device="meta"),), {}))
+    assert stepped.peak_bytes == unstepped.peak_bytes + copy
+
+
+def test_plan_command_takes_fault_tolerant(capsys):
+    from shardkit.cli.main import main
+
+    assert main(["plan", "--hf-config", "gpt2", "--set", "n_layer=2", "--set", "n_embd=64",
+                 "--set", "n_head=2", "--world-size", "4", "--strategy", "hybrid_shard",
+                 "--hybrid-group-size", "2", "--fault-tolerant"]) == 0
+    assert "fault tolerant: a rejoining rank receives" in capsys.readouterr().out
+
+
 # ---- one group, one process: lifetime, the optimizer's contract ----------------------------------
 
 def _free_port() -> int:
@@ -267,6 +303,9 @@ def test_a_killed_group_restarts_and_rejoins_while_the_others_train_on(tmp_path)
     assert 4 * -(-n_params // 2) <= row_bytes < 4 * (-(-n_params // 2) + 256)
     assert sent["all_reduce"] == round(2 * (groups - 1) / groups * row_bytes)
     assert sent["inter_node"]["all_reduce"] == sent["all_reduce"]
+    planned = shardkit.plan(build_model(WIDTH), 2 * groups, "hybrid_shard", hybrid_group_size=2,
+                            backend="cpu", fault_tolerant=True)
+    assert planned.comm["all_reduce"] == sent["all_reduce"], (planned.comm, sent)
     # the restarted group's sharded checkpoint (model + the wrapped optimizer) loads at 1 rank
     _load_checkpoint_alone(ckpt / "group2", job.final_weights(0), steps)
 

@@ -193,6 +193,7 @@ def _assert_freed(report: dict) -> None:
         assert seen["groups_after"] == seen["groups_before"], (path, seen)
 
 
+@pytest.mark.long  # 10 s on 2 cores
 def test_a_dropped_model_is_freed_on_every_path_at_two_ranks(tmp_path):
     runs = shardkit.spawn(_lifetime_workers.all_paths, 2, 2, str(tmp_path), backend="cpu",
                           threads_per_rank=1)

@@ -127,6 +127,7 @@ def test_memory_sizes_parse_in_both_unit_families():
 HF = ["plan", "--hf-config", "llama"] + [a for k, v in LLAMA.items() for a in ("--set", f"{k}={v}")]
 
 
+@pytest.mark.long  # 14 s on 2 cores
 def test_cli_what_fits_table_fewest_ranks_and_the_errors(capsys):
     assert main(HF + ["--world-size", "2", "--device-memory", "12MiB", "--seq", "64"]) == 0
     out = capsys.readouterr().out

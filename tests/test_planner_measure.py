@@ -19,6 +19,7 @@ GPT2_TINY = ["--hf-config", "gpt2", "--set", "n_layer=2", "--set", "n_embd=128",
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 11 s on 2 cores
 def test_measure_trains_the_plan_and_the_plan_holds():
     out = subprocess.run([sys.executable, "-m", "shardkit", "plan", *GPT2_TINY, "--world-size",
                           "2", "--batch", "2", "--seq", "64", "--optimizer", "adamw", "--ac",

@@ -111,6 +111,7 @@ _RUNS = ([(s, q, {}) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
             ("FULL_SHARD", "both", {"checkpoint_layers": True})])
 
 
+@pytest.mark.long  # 11 s on 2 cores
 def test_quantized_training_stays_near_the_unsharded_run_and_replicas_agree():
     results = shardkit.spawn(training, 4, 4, _RUNS, threads_per_rank=1)
     for key, run in results[0].items():
