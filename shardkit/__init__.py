@@ -38,9 +38,9 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .job.runtime import DistContext, current_context, init, shutdown
     from .seeding import seeded
     from .job.selection import backend_statuses, get_backend
-    from .fault_tolerance import fault_tolerant_optimizer
-    from .sharding import (FaultTolerance, MixedPrecision, Quantization, ShardingStrategy, clip_grad_norm_, comm_stats,
-                           full_shape, full_tensor, local_shard, register_forward_method, shard)
+    from .sharding import (FaultTolerance, MixedPrecision, Quantization, ShardingStrategy,
+                           clip_grad_norm_, comm_stats, fault_tolerant_optimizer, full_shape,
+                           full_tensor, local_shard, register_forward_method, shard)
     from .sharding.setup.replicas import check_model_replicas as check_replicas
     from .sharding.step.verify import CollectiveOrderError
 
@@ -59,9 +59,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     **{name: (".job.runtime", name) for name in ("DistContext", "current_context", "init", "shutdown")},
     "seeded": (".seeding", "seeded"),
     **{name: (".job.selection", name) for name in ("backend_statuses", "get_backend")},
-    "fault_tolerant_optimizer": (".fault_tolerance", "fault_tolerant_optimizer"),
     **{name: (".sharding", name) for name in (
-        "FaultTolerance", "MixedPrecision", "Quantization", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "full_shape",
+        "FaultTolerance", "fault_tolerant_optimizer", "MixedPrecision", "Quantization", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "full_shape",
         "full_tensor", "local_shard", "register_forward_method", "shard")},
     "check_replicas": (".sharding.setup.replicas", "check_model_replicas"),
     "CollectiveOrderError": (".sharding.step.verify", "CollectiveOrderError"),

@@ -12,12 +12,13 @@ group instead of a checkpoint. Files:
 - optimizer.py: the optimizer wrapper: zero_grad() joins the step's quorum, step() steps only
   when every group in the quorum committed.
 
-The engine imports nothing from here but the protocol it calls (sharding/step/state.py holds a
-reference); shard() builds the Manager only when `fault_tolerance=` is given, so plain installs
-never import torchft.
+It sits below the engine and imports nothing of it (the model's state is read by duck typing):
+shard() (sharding/api.py) starts a model's CrossGroups only when `fault_tolerance=` is given, so
+plain installs never import torchft, and shardkit.fault_tolerant_optimizer
+(sharding/surface/fault_tolerant.py) finds it on the model.
 """
 
-from .optimizer import FaultTolerantOptimizer, fault_tolerant_optimizer
+from .optimizer import FaultTolerantOptimizer
 from .requirement import require_torchft
 
-__all__ = ["FaultTolerantOptimizer", "fault_tolerant_optimizer", "require_torchft"]
+__all__ = ["FaultTolerantOptimizer", "require_torchft"]

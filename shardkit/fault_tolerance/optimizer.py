@@ -109,18 +109,10 @@ class FaultTolerantOptimizer(torch.optim.Optimizer):
         return f"FaultTolerantOptimizer({self.optimizer!r})"
 
 
-def fault_tolerant_optimizer(model: torch.nn.Module,
-                             optimizer: torch.optim.Optimizer) -> FaultTolerantOptimizer:
-    """Wrap `optimizer` of a model sharded with fault_tolerance= so steps commit only across a quorum."""
+def wrap(cross: Any, optimizer: torch.optim.Optimizer) -> FaultTolerantOptimizer:
+    """`optimizer` made fault tolerant on a model's CrossGroups (its state is sent to a rejoining group)."""
     import weakref
 
-    from ..sharding.surface.module_api import get_state
-
-    cross = getattr(get_state(model), "cross_groups", None)
-    if cross is None:
-        raise ShardkitError("fault_tolerant_optimizer() needs a model sharded with "
-                            "shardkit.shard(model, strategy='hybrid_shard', fault_tolerance="
-                            "shardkit.FaultTolerance(replica_group=N, ...))")
     if isinstance(optimizer, FaultTolerantOptimizer):
         raise ShardkitError("this optimizer is already fault tolerant; wrap the plain one once")
     if cross.has_optimizer:
