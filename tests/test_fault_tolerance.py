@@ -260,6 +260,7 @@ def _run(tmp_path: Path, groups: int, steps: int, extra: dict, timeout: float = 
         job.start(extra)
         codes = job.wait(timeout)
         assert codes == {g: 0 for g in range(groups)}, job.tails()
+    print(job.tails())  # pytest shows it only if a later check fails
     return job
 
 
