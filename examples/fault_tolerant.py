@@ -84,7 +84,6 @@ def train(args: argparse.Namespace) -> None:
     if rank == 0:
         print(f"group {args.group}: {optimizer.current_step} steps committed, "
               f"{optimizer.batches_committed} group-batches, last loss {loss.item():.3f}")
-    os._exit(0)  # torchft's server threads do not hold the process open
 
 
 def _already_killed(args: argparse.Namespace) -> bool:

@@ -82,13 +82,9 @@ def fsdp2_setup(args, model):
     # A group torchrun restarts finds the dead incarnation's Manager address in the store and
     # waits on it (seen here: the restarted group never came back); shardkit clears it the same way.
     if dist.get_rank() == 0:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, wait_for_workers=False)
-        for key in ("manager_addr", "replica_id"):
-            try:
-                store.delete_key(key)
-            except Exception:  # noqa: BLE001 - absent on a first start
-                pass
+        from shardkit.fault_tolerance.cross_groups import clear_manager_keys
+
+        clear_manager_keys(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     dist.barrier()
     for layer in model.layers:
         fully_shard(layer)
@@ -140,9 +136,6 @@ def full_weights(args, model) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     args = parse()
-    import faulthandler
-
-    faulthandler.register(signal.SIGTERM, chain=True)  # a rank its launcher stops says where it was
     rank = int(os.environ["RANK"])
     out = Path(args.out)
     if args.engine == "fsdp2":
@@ -224,7 +217,6 @@ def main() -> None:
     log.close()
     if args.engine == "fsdp2":
         manager.shutdown(wait=False)
-    os._exit(0)  # torchft's server threads would otherwise hold the process past the job's end
 
 
 if __name__ == "__main__":

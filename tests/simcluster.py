@@ -74,10 +74,6 @@ class SimCluster:
         """The IPv4 address of `node`'s eth0."""
         return f"10.{self.subnet}.0.{node + 1}"
 
-    def hostname(self, node: int) -> str:
-        """`node`'s own host name (with hostnames=True)."""
-        return self.names[node]
-
     def __enter__(self) -> "SimCluster":
         try:
             self._build()

@@ -47,15 +47,16 @@ def replica_id(group: int) -> str:
 class CrossGroups:
     """One sharded model's fault-tolerant all-reduce across replica groups (dies with the model)."""
 
-    def __init__(self, manager: Any, process_group: Any, lighthouse: str, config: Any) -> None:
+    def __init__(self, manager: Any, process_group: Any, lighthouse: str, config: Any,
+                 state_ref: Callable[[], Any]) -> None:
         self.manager = manager
         self.process_group = process_group
         self.lighthouse = lighthouse
         self.config = config
         self.quorum_started = False  # zero_grad() of the wrapped optimizer starts each step's quorum
-        self.has_optimizer = False
+        self.registered: set[str] = set()  # keys of the state a rejoining group is sent
         self.first_bucket = False  # the step's first all-reduce still to come
-        self.state_ref: Callable[[], Any] = lambda: None  # the model's ShardState, weakly
+        self.state_ref = state_ref  # the model's ShardState, weakly
 
     # ---- what the engine calls ------------------------------------------------------------------
     def all_reduce_mean(self, tensor: torch.Tensor) -> int:
@@ -126,10 +127,11 @@ class CrossGroups:
     # ---- the state a recovering group is sent ---------------------------------------------------
     def register_state(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
         """Send `save()` to a recovering group and `load` it there (e.g. an LR scheduler's state)."""
-        if key in self.manager._user_state_dicts:
+        if key in self.registered:
             raise ShardkitError(f"state {key!r} is already registered for recovery; give each "
                                 "piece of training state its own key")
         self.manager.register_state_dict_fn(key, load, save)
+        self.registered.add(key)
 
     def start_quorum(self) -> None:
         """Ask the lighthouse for this step's quorum (asynchronously; the backward waits for it)."""
@@ -153,7 +155,7 @@ class CrossGroups:
             logger.debug("torchft manager shutdown: %s", exc)
 
 
-def _model_state_fns(state_ref: weakref.ref) -> tuple[Callable[[Any], None], Callable[[], Any]]:
+def _model_state_fns(state_ref: Callable[[], Any]) -> tuple[Callable[[Any], None], Callable[[], Any]]:
     """(load, save) of a model's sharded parameters and buffers, holding the model weakly."""
 
     def save() -> dict[str, Any]:
@@ -181,23 +183,21 @@ def _model_state_fns(state_ref: weakref.ref) -> tuple[Callable[[Any], None], Cal
     return load, save
 
 
-def _clear_stale_keys(env: Any, world: Any, backend: Any) -> None:
-    """Remove a previous incarnation's Manager address from the group's store before any rank reads it.
+def clear_manager_keys(master_addr: str, master_port: int) -> None:
+    """Remove a previous incarnation's Manager address from a group's store (its rank 0, before
+    any rank of the group creates a Manager).
 
     Through a client of its own, as the Manager's: the store a launcher hands its workers may be
     prefixed per restart (torchrun's agent store), which would delete other keys than it reads.
     """
-    if world.rank == 0:
-        from torch.distributed import TCPStore
+    from torch.distributed import TCPStore
 
-        store = TCPStore(env.master_addr, env.master_port, is_master=False,
-                         wait_for_workers=False)
-        for key in _MANAGER_KEYS:
-            try:
-                store.delete_key(key)
-            except Exception:  # noqa: BLE001 - absent on a first start
-                pass
-    backend.barrier(world)
+    store = TCPStore(master_addr, master_port, is_master=False, wait_for_workers=False)
+    for key in _MANAGER_KEYS:
+        try:
+            store.delete_key(key)
+        except Exception:  # noqa: BLE001 - absent on a first start
+            pass
 
 
 def start(config: Any, backend: Any, ctx: Any, state: Any) -> CrossGroups:
@@ -217,7 +217,9 @@ def start(config: Any, backend: Any, ctx: Any, state: Any) -> CrossGroups:
                             "such as torchrun or `shardkit launch`, even for one rank)")
     timeout = datetime.timedelta(seconds=config.timeout_s)
     process_group = backend.fault_tolerant_process_group(timeout)
-    _clear_stale_keys(env, ctx.world, backend)
+    if ctx.world.rank == 0:
+        clear_manager_keys(env.master_addr, env.master_port)
+    backend.barrier(ctx.world)  # no rank reads the store before the stale keys are gone
     manager = Manager(
         pg=process_group, load_state_dict=None, state_dict=None,
         min_replica_size=config.min_replica_groups, timeout=timeout,
@@ -226,8 +228,7 @@ def start(config: Any, backend: Any, ctx: Any, state: Any) -> CrossGroups:
         rank=ctx.world.rank, world_size=ctx.world.size, store_addr=env.master_addr,
         store_port=env.master_port, lighthouse_addr=lighthouse,
         replica_id=replica_id(config.replica_group), init_sync=False)
-    cross = CrossGroups(manager, process_group, lighthouse, config)
-    cross.state_ref = weakref.ref(state)
+    cross = CrossGroups(manager, process_group, lighthouse, config, weakref.ref(state))
     load, save = _model_state_fns(cross.state_ref)
     cross.register_state("shardkit_model", load, save)
     finalizer = weakref.finalize(state, cross.shutdown)

@@ -115,7 +115,7 @@ def wrap(cross: Any, optimizer: torch.optim.Optimizer) -> FaultTolerantOptimizer
 
     if isinstance(optimizer, FaultTolerantOptimizer):
         raise ShardkitError("this optimizer is already fault tolerant; wrap the plain one once")
-    if cross.has_optimizer:
+    if "optimizer" in cross.registered:
         raise ShardkitError("this model already has a fault-tolerant optimizer; a recovering "
                             "group is sent one optimizer's state. HINT: put every parameter "
                             "group in one optimizer")
@@ -131,5 +131,4 @@ def wrap(cross: Any, optimizer: torch.optim.Optimizer) -> FaultTolerantOptimizer
             opt.load_state_dict(received)
 
     cross.register_state("optimizer", load, save)
-    cross.has_optimizer = True
     return FaultTolerantOptimizer(optimizer, cross)

@@ -104,9 +104,6 @@ def _fault_tolerant_group(config: FaultTolerance | None, strategy, hybrid_group_
             f"with fault_tolerance= each launched job is one replica group and shards across all "
             f"of its {n} ranks, so hybrid_group_size must be left out (or be {n}), got "
             f"{hybrid_group_size}. HINT: launch one job per replica group")
-    if not ctx.backend.capabilities.holds_values:
-        raise ShardkitError("fault_tolerance= cannot be rehearsed by the planner's "
-                            "recording backend; plan HYBRID_SHARD with the groups as replicas")
     return n
 
 
