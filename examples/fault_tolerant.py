@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import shardkit
-from shardkit.demo.data import load_digits_28
+from shardkit.demo.data import load_digits_28, require_scikit_learn
 
 
 def build_model() -> torch.nn.Module:
@@ -97,6 +97,7 @@ def _already_killed(args: argparse.Namespace) -> bool:
 
 def simulate(args: argparse.Namespace) -> None:
     """Start a lighthouse and `--groups` torchrun jobs on this machine, then summarise."""
+    require_scikit_learn()  # before any group starts: its ranks would each fail on it
     log_dir = Path(tempfile.mkdtemp(prefix="shardkit-ft-"))
     bin_dir = Path(sys.executable).parent
     lighthouse = subprocess.Popen(
@@ -115,12 +116,15 @@ def simulate(args: argparse.Namespace) -> None:
                  "--group", str(group), "--steps", str(args.steps), "--kill-at",
                  str(args.kill_at), "--kill-group", str(args.kill_group), "--log-dir",
                  str(log_dir), "--sleep", str(args.sleep), "--batch", str(args.batch)],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
-        for proc in groups:
+                env=env, stdout=subprocess.PIPE, text=True,
+                stderr=(log_dir / f"group{group}.log").open("w")))
+        for group, proc in enumerate(groups):
             out, _ = proc.communicate(timeout=600)
             print(out.strip())
             if proc.returncode:
-                raise SystemExit(f"a replica group failed (exit {proc.returncode}); logs: {log_dir}")
+                tail = (log_dir / f"group{group}.log").read_text(errors="replace").splitlines()[-15:]
+                raise SystemExit("\n".join(tail) + f"\nreplica group {group} failed (exit "
+                                 f"{proc.returncode}); its log: {log_dir}/group{group}.log")
     finally:
         lighthouse.kill()
         for proc in groups:
