@@ -66,6 +66,12 @@ HELD: tuple[Held, ...] = (
          "init() in jobs of two or more ranks",
          "shutdown() (failure.stop: the thread finishes, the hook, handler and atexit entry are "
          "put back)", "shardkit.failure:reset"),
+    Held(("shardkit.failure.interrupt:_interrupted",),
+         "whether a Ctrl-C reached this launched rank, and the SIGINT handler that notes it",
+         "a signal handler is the process's; the Ctrl-C ends the whole process",
+         "init() in a launched rank (failure.install_report_hooks)",
+         "shutdown() puts Python's handler back (failure.stop); the note stays until the "
+         "process ends", "shardkit.failure.interrupt:reset"),
     Held(("shardkit.failure.where:_where", "shardkit.failure.where:_forward_stack"),
          "where training is (unit and phase), for failure reports",
          "read by the watchdog thread and the exception hook, which know no model",

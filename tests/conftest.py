@@ -37,3 +37,17 @@ def fake_plugins(fake_plugin_paths: list[str], monkeypatch: pytest.MonkeyPatch,
     yield fake_plugin_paths
     for module in ("shardkit_toygloo", "shardkit_broken_plugin"):
         sys.modules.pop(module, None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave `long` tests out of every run whose `-m` does not name them.
+
+    A `-m 'not long'` in addopts would be replaced by any `-m` on the command line, so the quick
+    lane (`-m "not slow"`) used to run the whole long lane too (issue 57).
+    """
+    if "long" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("long") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("long")])
+        items[:] = kept

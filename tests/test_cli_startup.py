@@ -6,6 +6,7 @@ import ast
 import os
 import signal
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -176,3 +177,98 @@ def test_a_ctrl_c_while_ranks_start_reaches_the_caller_and_ranks_ignore_it():
     # they do not block it: a handler of theirs would run.
     assert shardkit.spawn(_sigint_state, 2) == [(True, False), (True, False)]
     assert shardkit.spawn(_sigint_state, 1, start_method="spawn") == [(True, False)]
+
+
+_TRAINING_LOOP = """
+import time, torch
+from torch import nn
+import shardkit
+ctx = shardkit.init()
+model = shardkit.shard(nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 4)))
+opt = torch.optim.Adam(model.parameters())
+print("ready", ctx.rank, flush=True)
+while True:
+    model(torch.randn(8, 16)).sum().backward(); opt.step(); opt.zero_grad(); time.sleep(0.01)
+"""
+
+
+def _launch(script: Path, nproc: int, env_extra: dict | None = None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "SHARDKIT_BACKEND", "SHARDKIT_DEBUG")}
+    env.update({"OMP_NUM_THREADS": "1", **(env_extra or {})})
+    return subprocess.Popen([sys.executable, "-m", "shardkit", "launch", "--nproc", str(nproc),
+                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=script.parent, start_new_session=True,
+                            preexec_fn=as_in_a_terminal)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ranks start, train, and are interrupted: about 12 s on 2 cores
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_ctrl_c_under_launch_is_one_line_and_exit_130(nproc, tmp_path):
+    # Issue 57: a Ctrl-C used to print torchrun's "Received 2 death signal", every rank's
+    # KeyboardInterrupt traceback and the agent's SignalException traceback (86-150 lines).
+    script = tmp_path / "train.py"
+    script.write_text(_TRAINING_LOOP)
+    proc = _launch(script, nproc)
+    lines: list[str] = []
+    deadline = time.monotonic() + 120  # ranks start in 5-15 s here, under load up to ~60 s
+    while sum(line.startswith("ready") for line in lines) < nproc:
+        assert time.monotonic() < deadline and proc.poll() is None, lines
+        lines.append(proc.stdout.readline())
+    time.sleep(0.5)  # inside the loop's collectives
+    os.killpg(proc.pid, signal.SIGINT)
+    began = time.monotonic()
+    rest, _ = proc.communicate(timeout=60)
+    took = time.monotonic() - began
+    said = [line for line in rest.splitlines() if line.strip()]
+    assert proc.returncode == 130, rest
+    assert said == [f"shardkit launch: interrupted; {nproc} ranks stopped"], rest
+    assert took < 30, took  # torchrun's own shutdown grace is 30 s; the ranks need about 1 s
+    print(f"{nproc} ranks: Ctrl-C to exit {took:.1f} s")
+
+
+_SAME_MISTAKE = """
+import torch
+from torch import nn
+import shardkit
+shardkit.init()
+shardkit.shard(nn.Linear(4, 4), strategy="FULL_SAHRD")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("debug", [False, True])
+def test_an_error_every_rank_raises_prints_once_then_the_summary_with_its_text(debug, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_SAME_MISTAKE)
+    proc = _launch(script, 3, {"SHARDKIT_DEBUG": "1"} if debug else None)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1, out
+    error = "unknown sharding strategy 'FULL_SAHRD'; did you mean 'FULL_SHARD'?"
+    summary = out[out.index("shardkit launch: train.py failed"):].splitlines()
+    assert len(summary) == 4 and error in summary[1] and "(the root cause)" in summary[1], out
+    tracebacks = out.count("Traceback (most recent call last)")
+    if debug:  # every rank's, with shardkit's frames
+        assert tracebacks == 3 and "policies.py" in out, out
+        return
+    assert tracebacks == 1 and out.count(error) == 2, out  # the traceback's and the summary's
+    assert "policies.py" not in out and "closing signal" not in out, out
+    before = out[:out.index("shardkit launch: train.py failed")].splitlines()
+    assert len(before) <= 8, out  # the threads line, the user's frame, the error, the note
+    assert not list(Path(tempfile.gettempdir()).glob(f"shardkit-errors-{proc.pid}-*"))
+
+
+@pytest.mark.slow
+def test_a_wrong_backend_name_in_init_is_said_once_and_reaches_the_summary(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import shardkit\nshardkit.init(backend='gloo')\n")
+    proc = _launch(script, 2)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out
+    assert out.count("Traceback (most recent call last)") == 1, out
+    summary = out[out.index("shardkit launch: train.py failed"):].splitlines()
+    assert "BackendNotFoundError: unknown backend 'gloo'" in summary[1], out
+    assert "HINT: backend='cpu' runs on gloo" in summary[1], out
+    assert summary[2].endswith("exited with status 1: the same error"), out

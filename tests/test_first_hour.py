@@ -124,3 +124,12 @@ def test_the_demo_offers_only_models_it_can_train_and_shows_every_default():
         section = out.stdout.split(f"  {flag}", 1)[1].split("\n  --", 1)[0]
         assert "(default: " in section, (flag, section)
     assert _cli("demo", "--model", "gpt-tiny").returncode == 2  # refused by the parser
+
+
+@pytest.mark.parametrize("library, backend", [("gloo", "cpu"), ("nccl", "cuda")])
+def test_torchs_collective_name_as_a_backend_names_the_backend_meant(library, backend):
+    # torch's init_process_group("gloo") habit: the answer is the backend that runs on it.
+    with pytest.raises(shardkit.BackendNotFoundError,
+                       match=rf"unknown backend '{library}': '{library}' is torch's name for a "
+                             rf"collective library.*HINT: backend='{backend}' runs on {library}"):
+        shardkit.get_backend(library)

@@ -61,3 +61,23 @@ def test_the_quick_start_runs_as_the_readme_says(tmp_path):
     assert out.stderr.count("shardkit launch: OMP_NUM_THREADS=") == 1, out.stderr
     saved = torch.load(tmp_path / "quickstart-ckpt" / "shardkit_state.pt", weights_only=False)
     assert saved["extra"] == {"step": 100}, saved.keys()
+
+
+def _collected(*marker_args: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                          "-p", "no:cacheprovider", *marker_args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return {line for line in out.stdout.splitlines() if "::" in line}
+
+
+@pytest.mark.long  # three collections of the whole suite: about 35 s on 2 cores
+def test_each_documented_lane_selects_what_its_text_says():
+    # Getting started names three lanes: the README command (no -m: every test but the long
+    # ones), the long lane (-m long) and the quick lane (-m "not slow": neither slow nor long).
+    # A command-line -m replaced addopts' 'not long' once, so the quick lane ran the long lane.
+    default, long_lane, quick = _collected(), _collected("-m", "long"), _collected("-m", "not slow")
+    assert len(long_lane) > 50 and len(default) > 500
+    assert not default & long_lane
+    assert not quick & long_lane, sorted(quick & long_lane)[:5]
+    assert quick < default

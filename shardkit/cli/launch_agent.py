@@ -11,11 +11,18 @@ line per rank saying how each ended, the root cause first, and exits 1 as torchr
 
 from __future__ import annotations
 
+import glob
+import logging
 import os
+import shutil
 import signal
 import sys
 from typing import Any, Sequence
 
+from typing_extensions import override
+
+from ..failure import same_error
+from ..failure.interrupt import INTERRUPTED_EXIT
 from ..failure.watchdog import PEER_FAILED_EXIT
 
 
@@ -61,20 +68,62 @@ def describe_failures(script: str, failures: dict[int, Any]) -> str:
         elif code == PEER_FAILED_EXIT:
             lines.append(f"  {where} exited with status {code}: it stopped because a peer failed "
                          f"(its report is above)")
+        elif _first_line(failure.message) == _first_line(failures[root_rank].message):
+            lines.append(f"  {where} exited with status {code}: the same error")
         else:
             lines.append(f"  {where} exited with status {code}: {_first_line(failure.message)}")
     return "\n".join(lines)
 
 
+# torch's agent logs these as it stops the other ranks and as it notices a failed one; the
+# summary below says both, rank by rank. Matched by format string: should torch reword them,
+# they are printed again, and nothing else changes.
+_SAID_BY_THE_SUMMARY = ("Sending process %s closing signal %s",
+                        "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s")
+
+
+class _SaidOnce(logging.Filter):
+    """Drop torch's agent records that shardkit launch's own lines say: everything it logs while
+    it handles a Ctrl-C ("Received 2 death signal", "Sending process ... closing signal SIGINT"),
+    told by the exception it is handling, and the per-rank lines the failure summary repeats."""
+
+    @override
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(sys.exc_info()[1], "sigval", None) == signal.SIGINT:
+            return False
+        return record.msg not in _SAID_BY_THE_SUMMARY
+
+
+def _remove_error_markers() -> None:
+    """Remove the folders in which this launch's ranks agreed on who reports an error."""
+    for folder in glob.glob(same_error.folder_prefix(os.getpid()) + "*"):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run torchrun's agent on `argv`; on a failed job print describe_failures() and return 1."""
+    """Run torchrun's agent on `argv`; on a failed job print describe_failures() and return 1;
+    on a Ctrl-C print one line and return 130."""
+    from torch.distributed.elastic.agent.server import api as agent_api
+    from torch.distributed.elastic.multiprocessing import api as processes_api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
     from torch.distributed.run import parse_args, run
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     get_error_handler().initialize()
+    quiet = _SaidOnce()
+    for module in (agent_api, processes_api):  # the modules that log the shutdown
+        logging.getLogger(module.__name__).addFilter(quiet)
     try:
         run(args)
+    except SignalException as exc:
+        if exc.sigval != signal.SIGINT:
+            raise
+        # Every rank got the same Ctrl-C from the terminal and stopped without a word.
+        print(f"shardkit launch: interrupted; {args.nproc_per_node} ranks stopped"
+              + (" on this node" if str(args.nnodes) not in ("1", "1:1") else ""),
+              file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT
     except ChildFailedError as exc:
         root = exc.failures[root_cause(exc.failures)]
         if os.environ.get("TORCHELASTIC_ERROR_FILE") and os.path.isfile(root.error_file):
@@ -83,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(describe_failures(os.path.basename(args.training_script), exc.failures),
               file=sys.stderr, flush=True)
         return 1
+    finally:
+        _remove_error_markers()
     return 0
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from .. import env_flags
 from ..env_flags import env_flag
 from ..errors import PeerFailedError, ShardkitError
-from . import launcher_record, where
+from . import interrupt, launcher_record, same_error, where
 from .watchdog import (PEER_FAILED_EXIT, Failure, Watchdog, abandon_background_saves, as_seconds,
                        default_store_client, emit)
 
@@ -106,6 +106,27 @@ def start(rank: int, world_size: int, timeout: datetime.timedelta, shares_proces
     if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
         signal.signal(signal.SIGTERM, _on_sigterm)
+    install_report_hooks()
+
+
+def launched_rank() -> bool:
+    """True in a process a launcher started as one rank of several (not a REPL or notebook)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not interactive()
+    except ValueError:
+        return False
+
+
+def install_report_hooks() -> None:
+    """In a launched rank: the excepthook (one report per event) and the Ctrl-C note.
+
+    init() installs them before anything can fail (a wrong backend name fails before there is a
+    job, and every rank would print it); start() again once the watchdog runs.
+    """
+    global _previous_excepthook
+    if not launched_rank():
+        return
+    interrupt.install()
     if _previous_excepthook is None:
         _previous_excepthook = sys.excepthook
         sys.excepthook = _excepthook
@@ -125,6 +146,7 @@ def stop(leaving_with: BaseException | None = None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if isinstance(leaving_with, PeerFailedError) and leaving_with.reported:
         return  # the hook ends the process with PEER_FAILED_EXIT if nothing catches it
+    interrupt.uninstall()
     if _previous_excepthook is not None and sys.excepthook is _excepthook:
         sys.excepthook = _previous_excepthook
     _previous_excepthook = None
@@ -240,10 +262,35 @@ def on_exception(exc: BaseException) -> BaseException:
         emit(message)
         return ShardkitError(message)
     if wd.claim_report():
-        launcher_record.record(f"{type(exc).__name__}: {exc}", _formatted(exc), failed_here=True)
+        launcher_record.record(_headline(exc), _formatted(exc), failed_here=True)
         wd.post(f"raised {type(exc).__name__}: {exc} (in {where.describe()})")
         wd.report_written.set()  # its own traceback is the report
     return exc
+
+
+def _callers_frames(exc: BaseException, tb: Any) -> Any:
+    """A refusal of shardkit's own (a ShardkitError) shown from the caller's side: its message
+    says what was wrong and what to do, and the frames inside shardkit that raised it would only
+    bury the user's line that made the call (SHARDKIT_DEBUG=1 prints them)."""
+    if not isinstance(exc, ShardkitError):
+        return tb
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    last_outside = None
+    node = tb
+    while node is not None and not os.path.abspath(node.tb_frame.f_code.co_filename).startswith(
+            package + os.sep):
+        last_outside, node = node, node.tb_next
+    if last_outside is None or node is None:
+        return tb
+    last_outside.tb_next = None
+    exc.add_note("(shardkit's own frames are left out; SHARDKIT_DEBUG=1 prints them)")
+    return tb
+
+
+def _headline(exc: BaseException) -> str:
+    """The exception's type and the first line of its message: the launcher's summary line."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _reported(err: PeerFailedError) -> PeerFailedError:
@@ -301,6 +348,10 @@ def quiet(original: BaseException, replacement: BaseException) -> bool:
 
 def _excepthook(tp: type, value: BaseException, tb: Any) -> None:
     hook = _previous_excepthook or sys.__excepthook__
+    if (interrupt.interrupted() or isinstance(value, KeyboardInterrupt)) and not debugging():
+        # A Ctrl-C, or what it caused (a peer's closed socket): the launcher says it once.
+        abandon_background_saves("it was interrupted")
+        return
     if isinstance(value, PeerFailedError) and value.reported:
         _exit_as_survivor(hook, tp, value, tb)
     if raised_in_a_collective(value):
@@ -312,5 +363,8 @@ def _excepthook(tp: type, value: BaseException, tb: Any) -> None:
         if not quiet(value, replacement):
             hook(tp, value, tb)
         return
-    hook(tp, value, tb)
+    if debugging() or same_error.first_to_report(value):
+        hook(tp, value, tb if debugging() else _callers_frames(value, tb))
+    if _watchdog is None:  # raised before the job began (init()): the launcher's summary says it
+        launcher_record.record(_headline(value), _formatted(value), failed_here=True)
     on_exception(value)

@@ -21,7 +21,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from . import launcher_record, where
+from . import interrupt, launcher_record, where
 from .node import node_identity, pid_alive
 
 # The exit status of a rank that stops because another rank failed (not because of itself).
@@ -277,6 +277,10 @@ class Watchdog:
             self._reported = True
         message = self.survivor_message(failures)
         self.report_message = message
+        if interrupt.interrupted() and self.may_exit:
+            # The peer ended by the same Ctrl-C as this rank: nothing failed, nothing to say.
+            abandon_background_saves("it was interrupted")
+            os._exit(interrupt.INTERRUPTED_EXIT)
         emit(message)
         launcher_record.record(message, "", failed_here=False)
         self.report_written.set()

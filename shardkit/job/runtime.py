@@ -87,6 +87,7 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
     watchdog (default SHARDKIT_WATCHDOG, on): the per-rank thread that names a failed peer and,
     in a launched rank, ends this one; False leaves failures to the collectives' timeout.
     """
+    failure.install_report_hooks()  # before anything here can fail on every rank alike
     enabled = failure.watchdog_requested(watchdog)
     existing = current_context()
     be = get_backend(backend)

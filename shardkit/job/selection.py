@@ -90,10 +90,21 @@ def backend_class(name: str) -> type[Backend]:
     if cls is None:
         if name in state.failures:
             raise state.failures[name].as_error()
-        hint = did_you_mean(name, [*state.registry.names(), *state.failures])
+        hint = _library_hint(name) or did_you_mean(name, [*state.registry.names(), *state.failures])
         raise BackendNotFoundError(f"unknown backend {name!r}{hint or '.'} Registered backends:\n"
                                    f"{describe_backends()}")
     return cls
+
+
+def _library_hint(name: str) -> str:
+    """A HINT for torch's name of a collective library given where a backend is meant ("gloo")."""
+    registry = plugin_state().registry
+    owners = sorted(cls.name for _, cls in registry.classes() if name in cls.collective_libraries)
+    if not owners:
+        return ""
+    return (f": {name!r} is torch's name for a collective library; shardkit names a backend by "
+            f"its device. HINT: backend={' or '.join(map(repr, owners))} runs on {name} (`shardkit info` "
+            "lists the backends and what each needs).")
 
 
 def collective_side_class(name: str) -> type[Backend]:
