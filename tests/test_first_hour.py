@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import shardkit
 from shardkit.install_hint import pip_install_extra
@@ -133,3 +134,55 @@ def test_torchs_collective_name_as_a_backend_names_the_backend_meant(library, ba
                        match=rf"unknown backend '{library}': '{library}' is torch's name for a "
                              rf"collective library.*HINT: backend='{backend}' runs on {library}"):
         shardkit.get_backend(library)
+
+
+def test_a_checkpoint_path_with_a_typo_names_the_checkpoints_nearby(tmp_path):
+    # Issue 57: checkpoint.load("ckpt/step_000039") where the folder is ckpts/ said only "no
+    # checkpoint at <path>".
+    from shardkit.checkpoint.manifest import MANIFEST_FILE
+
+    for step in ("step_000019", "step_000039"):
+        (tmp_path / "ckpts" / step).mkdir(parents=True)
+        (tmp_path / "ckpts" / step / MANIFEST_FILE).write_text("{}")
+    (tmp_path / "logs" / "step_000039").mkdir(parents=True)  # a folder, not a checkpoint
+    with pytest.raises(shardkit.CheckpointNotFoundError) as err:
+        shardkit.checkpoint.load(str(tmp_path / "ckpt" / "step_000039"), torch.nn.Linear(2, 2))
+    message = str(err.value)
+    hint = message[message.index("HINT: complete checkpoints nearby: "):]
+    assert hint.split("nearby: ", 1)[1].startswith(str(tmp_path / "ckpts" / "step_000039") + ", "
+                                             + str(tmp_path / "ckpts" / "step_000019")), message
+    assert "logs" not in hint
+    with pytest.raises(shardkit.CheckpointNotFoundError) as err:
+        shardkit.checkpoint.load(str(tmp_path / "elsewhere" / "x" / "y"), torch.nn.Linear(2, 2))
+    assert "HINT" not in str(err.value)
+
+
+_NO_LAUNCHER = """
+import shardkit, sys
+cpu = type(shardkit.get_backend("cpu"))
+if sys.argv[1] == "devices":  # a backend with 4 devices here, as a 4-GPU machine has
+    cpu.max_local_ranks = lambda self: 4
+ctx = shardkit.init(backend="cpu")
+print("world", ctx.world_size, flush=True)
+shardkit.shutdown()
+"""
+
+
+@pytest.mark.parametrize("devices", ["devices", "cores"])
+def test_a_script_run_without_a_launcher_says_so_where_it_could_use_more_devices(devices, tmp_path):
+    # Issue 57: `python train.py` trained silently on one rank. One line where the backend has
+    # several devices here; silent on the cpu backend, where one rank is a normal choice.
+    script = tmp_path / "train.py"
+    script.write_text(_NO_LAUNCHER)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "SHARDKIT_BACKEND", "SHARDKIT_LOG")}
+    out = subprocess.run([sys.executable, str(script), devices], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout == "world 1\n", out
+    said = [line for line in out.stderr.splitlines() if line.strip()]
+    if devices == "cores":
+        assert said == [], out.stderr
+    else:
+        assert len(said) == 1 and "no launcher found" in said[0], out.stderr
+        assert said[0].endswith("HINT: shardkit launch --nproc 4 train.py"), said

@@ -6,6 +6,7 @@ A checkpoint directory is complete exactly when its ``shardkit_manifest.json`` e
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -89,7 +90,7 @@ def read_manifest(directory: str) -> dict:
     """Return the manifest of a complete checkpoint, or raise saying why it is not one."""
     path = os.path.join(directory, MANIFEST_FILE)
     if not os.path.isdir(directory):
-        raise CheckpointNotFoundError(f"no checkpoint at {directory}")
+        raise CheckpointNotFoundError(f"no checkpoint at {directory}{nearby_hint(directory)}")
     if not os.path.exists(path):
         raise IncompleteCheckpointError(
             f"{directory} is an incomplete checkpoint: {MANIFEST_FILE} is missing, so the save "
@@ -141,7 +142,42 @@ def resolve(path: str) -> str:
         raise IncompleteCheckpointError(
             f"no complete checkpoint at {path}; only unfinished saves: "
             f"{', '.join(os.path.join(parent, n) for n in sorted(partial))}")
-    raise CheckpointNotFoundError(f"no checkpoint at {path}")
+    raise CheckpointNotFoundError(f"no checkpoint at {path}{nearby_hint(path)}")
+
+
+def nearby_checkpoints(path: str, limit: int = 3) -> list[str]:
+    """Complete checkpoints beside `path` or in a folder beside its parent (a typo in either name:
+    ckpt/ for ckpts/, step_39 for step_000039), the most alike first; at most `limit`."""
+    path = os.path.abspath(path)
+    parent, base = os.path.split(path)
+    grandparent, parent_name = os.path.split(parent)
+
+    def subdirs(folder: str) -> list[str]:
+        try:
+            with os.scandir(folder) as entries:
+                return sorted(e.path for e in entries if e.is_dir())[:1000]  # bounded: a big folder
+        except OSError:
+            return []
+    places = [parent] if os.path.isdir(parent) else []
+    places += [d for d in subdirs(grandparent) if d != parent]
+    found = [d for place in places for d in subdirs(place)
+             if os.path.isfile(os.path.join(d, MANIFEST_FILE))]
+    found += [d for d in places if os.path.isfile(os.path.join(d, MANIFEST_FILE))]
+
+    def likeness(candidate: str) -> tuple[float, float]:
+        folder, name = os.path.split(candidate)
+        return (-difflib.SequenceMatcher(None, name, base).ratio(),
+                -difflib.SequenceMatcher(None, os.path.basename(folder), parent_name).ratio())
+    return sorted(set(found), key=likeness)[:limit]
+
+
+def nearby_hint(path: str) -> str:
+    """'. HINT: complete checkpoints nearby: ...' for a path with none, or "" when none is near."""
+    near = nearby_checkpoints(path)
+    if not near:
+        return ""
+    return (f". HINT: complete checkpoints nearby: {', '.join(near)} (shardkit.checkpoint.latest(folder) "
+            "finds a folder's newest)")
 
 
 def replace_dir(tmp: str, path: str) -> None:

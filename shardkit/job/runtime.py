@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
     timeout = failure.resolve_timeout(timeout, be.capabilities.default_timeout)
     arm_if_launched()  # `shardkit launch` killed, even by SIGKILL: no orphaned ranks
     env = be.launch_env()
+    _say_if_no_launcher(be, env)
     device = be.normalize_device(device_id, env.local_rank)
     be.set_device(device)
     world = be.init_process_group(with_job_store(env, timeout), timeout)
@@ -116,6 +118,21 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
         atexit.unregister(_shutdown_at_exit)  # one entry, however many init()s
         atexit.register(_shutdown_at_exit)
     return ctx
+
+
+def _say_if_no_launcher(be: Backend, env: LaunchEnv) -> None:
+    """One line when a script that could run on several devices here was started without a
+    launcher (`python train.py` on an 8-GPU machine trains on one). Silent where one rank is
+    clearly meant: a backend with one device here, or one whose ranks share the host's cores (cpu),
+    a REPL or notebook."""
+    if env.launcher != "none" or failure.interactive():
+        return
+    devices = be.max_local_ranks()
+    if devices is not None and devices > 1:
+        logger.warning("no launcher found (no torchrun, mpirun or SLURM variables): this process "
+                       "runs as 1 rank, on 1 of the %d %s devices here. HINT: shardkit launch "
+                       "--nproc %d %s", devices, be.name, devices,
+                       os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script.py")
 
 
 def _shutdown_at_exit() -> None:
