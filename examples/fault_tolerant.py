@@ -151,9 +151,16 @@ def summarise(log_dir: Path, args: argparse.Namespace) -> None:
               f"slowest around the failure {worst:.2f} s; groups per step seen: {alone}")
     if died is not None:
         back = [r for r in steps if r["t"] > starts[-1] and r["committed"] and r["groups"] == args.groups]
-        print(f"group {args.kill_group}: died at step {args.kill_at}, relaunched "
-              f"{starts[-1] - died:.1f} s later, training with the others again after "
-              f"{back[0]['t'] - died:.1f} s (from step {back[0]['step']})")
+        said = (f"group {args.kill_group}: died at step {args.kill_at}, relaunched "
+                f"{starts[-1] - died:.1f} s later, ")
+        if back:
+            print(said + f"training with the others again after {back[0]['t'] - died:.1f} s "
+                         f"(from step {back[0]['step']})")
+        else:  # a loaded machine: the others finished before it was back (nothing went wrong)
+            after = [r for r in steps if r["t"] > starts[-1] and r["committed"]]
+            print(said + "and did not train with the others again: they had finished their "
+                         f"{args.steps} steps before it was back ({len(after)} steps committed "
+                         "after its relaunch; more --steps or a larger --sleep give it time)")
     finals = {g: recs[-1]["loss"] for g, recs in records.items() if "loss" in recs[-1]}
     print(f"last losses per group: {finals}")
 

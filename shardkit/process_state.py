@@ -59,6 +59,7 @@ HELD: tuple[Held, ...] = (
          "shutdown() puts the previous values back (a variable that was unset is removed)",
          "shardkit.launch_env:restore_environ"),
     Held(("shardkit.failure:_watchdog", "shardkit.failure:_previous_excepthook",
+          "shardkit.failure:_original_excepthook", "shardkit.failure:_in_excepthook",
           "shardkit.failure:_parent_at_start"),
          "the watchdog thread that names a failed peer, and in launched ranks the sys.excepthook, "
          "SIGTERM handler and atexit stop() it installs; the launcher's pid at start",

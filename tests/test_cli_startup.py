@@ -271,4 +271,6 @@ def test_a_wrong_backend_name_in_init_is_said_once_and_reaches_the_summary(tmp_p
     summary = out[out.index("shardkit launch: train.py failed"):].splitlines()
     assert "BackendNotFoundError: unknown backend 'gloo'" in summary[1], out
     assert "HINT: backend='cpu' runs on gloo" in summary[1], out
-    assert summary[2].endswith("exited with status 1: the same error"), out
+    # rank 1 raised the same error, or torchrun stopped it first (both seen on this 2-core VM)
+    assert (summary[2].endswith("exited with status 1: the same error")
+            or summary[2].endswith("was stopped by torchrun (SIGTERM) after rank 0 failed")), out

@@ -364,3 +364,28 @@ def test_readme_links_reach_pages_and_headings_that_exist():
         if anchor:
             headings = re.findall(r"(?m)^#+\s+(.*)$", target.read_text())
             assert anchor in {_anchor(h) for h in headings}, f"README links to {link}: no such heading"
+
+
+def test_the_built_site_works_opened_from_disk(tmp_path):
+    # Issue 57: opened from disk (file://), every nav link of the built site showed a folder
+    # listing: links ended in a folder (use_directory_urls). Every link between pages must name
+    # a file that exists.
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings_handlers.python")
+    site = tmp_path / "site"
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "--site-dir",
+                            str(site)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert built.returncode == 0, built.stderr
+    # 404.html is a server's page (its links start at the site's root), never opened from disk
+    pages = sorted(p for p in site.rglob("*.html") if p.name != "404.html")
+    assert len(pages) >= 20
+    broken = []
+    for page in pages:
+        for link in re.findall(r'href="([^"#?]+)[^"]*"', page.read_text()):
+            if re.match(r"^[a-z]+:|^//", link):
+                continue  # another site (fonts, GitHub)
+            target = (page.parent / link).resolve()
+            if not target.is_file():
+                broken.append(f"{page.relative_to(site)} -> {link}")
+    assert not broken, broken[:10]

@@ -338,7 +338,10 @@ def test_two_groups_die_at_once_and_both_rejoin(tmp_path):
     participants = _check_against_reference(job, steps)
     assert [0] in participants[15:30], "group 0 never trained alone"
     assert participants[-1] == [0, 1, 2]
-    print("outage:", outage(job, [0], [1, 2]))
+    # Seen in 2 of 2 runs under load (issue 57): the two relaunched groups, a majority of the
+    # healthy replicas, formed a quorum of their own at step 0 while group 0 was mid-step past
+    # the 1 s join timeout, and committed a step that group 0's next quorum healed over.
+    print("outage:", outage(job, [0], [1, 2]), "branches healed over:", job.discarded_branches)
 
 
 @pytest.mark.long

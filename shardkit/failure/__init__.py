@@ -38,6 +38,8 @@ DEFAULT_ACCELERATOR_TIMEOUT = datetime.timedelta(minutes=10)
 _SIGTERM_GRACE_S = 2.0
 _watchdog: Watchdog | None = None
 _previous_excepthook = None
+_original_excepthook = None  # sys.excepthook before shardkit's: stop() puts it back
+_in_excepthook = threading.local()  # set while _excepthook runs: a hook it calls may call it back
 _parent_at_start = os.getppid()  # a SIGTERM after the parent changed came from its death
 
 
@@ -106,7 +108,7 @@ def start(rank: int, world_size: int, timeout: datetime.timedelta, shares_proces
     if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
         signal.signal(signal.SIGTERM, _on_sigterm)
-    install_report_hooks()
+    _install_report_hooks()
 
 
 def launched_rank() -> bool:
@@ -123,20 +125,31 @@ def install_report_hooks() -> None:
     init() installs them before anything can fail (a wrong backend name fails before there is a
     job, and every rank would print it); start() again once the watchdog runs.
     """
-    global _previous_excepthook
-    if not launched_rank():
-        return
+    if launched_rank():
+        _install_report_hooks()
+
+
+def _install_report_hooks() -> None:
+    global _previous_excepthook, _original_excepthook
     interrupt.install()
+    if sys.excepthook is _excepthook:
+        return
     if _previous_excepthook is None:
+        _original_excepthook = _previous_excepthook = sys.excepthook
+    else:
+        # init() installed ours before the process group, and torch's init_process_group then
+        # wrapped it in its rank-prefixing hook, which prints what the hook it wraps writes to
+        # a buffer: a report printed in ours, before os._exit, would stay in that buffer. Ours
+        # goes outside again; torch's calls ours back, which then prints as the original would.
         _previous_excepthook = sys.excepthook
-        sys.excepthook = _excepthook
+    sys.excepthook = _excepthook
 
 
 def stop(leaving_with: BaseException | None = None) -> None:
     """Stop the watchdog and put back what start() installed; peers must not take this rank's
     exit for a death. `leaving_with`: the exception about to leave the rank, whose exit the hook
     still has to shape when it is a reported peer failure."""
-    global _watchdog, _previous_excepthook
+    global _watchdog, _previous_excepthook, _original_excepthook
     wd, _watchdog = _watchdog, None
     if wd is not None:
         wd.finish()
@@ -148,8 +161,9 @@ def stop(leaving_with: BaseException | None = None) -> None:
         return  # the hook ends the process with PEER_FAILED_EXIT if nothing catches it
     interrupt.uninstall()
     if _previous_excepthook is not None and sys.excepthook is _excepthook:
-        sys.excepthook = _previous_excepthook
-    _previous_excepthook = None
+        # Torch's hook, where it wrapped ours, would call ours back: the original goes back.
+        sys.excepthook = _original_excepthook or _previous_excepthook
+    _previous_excepthook = _original_excepthook = None
 
 
 def reset() -> None:
@@ -347,6 +361,18 @@ def quiet(original: BaseException, replacement: BaseException) -> bool:
 
 
 def _excepthook(tp: type, value: BaseException, tb: Any) -> None:
+    if getattr(_in_excepthook, "active", False):
+        # Called back by the hook it delegates printing to (torch's prefixing wrapper of ours).
+        (_original_excepthook or sys.__excepthook__)(tp, value, tb)
+        return
+    _in_excepthook.active = True
+    try:
+        _report_uncaught(tp, value, tb)
+    finally:
+        _in_excepthook.active = False
+
+
+def _report_uncaught(tp: type, value: BaseException, tb: Any) -> None:
     hook = _previous_excepthook or sys.__excepthook__
     if (interrupt.interrupted() or isinstance(value, KeyboardInterrupt)) and not debugging():
         # A Ctrl-C, or what it caused (a peer's closed socket): the launcher says it once.
