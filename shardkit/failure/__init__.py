@@ -297,7 +297,9 @@ def _callers_frames(exc: BaseException, tb: Any) -> Any:
     if last_outside is None or node is None:
         return tb
     last_outside.tb_next = None
-    exc.add_note("(shardkit's own frames are left out; SHARDKIT_DEBUG=1 prints them)")
+    note = "(shardkit's own frames are left out; SHARDKIT_DEBUG=1 prints them)"
+    if hasattr(exc, "add_note"):  # Python 3.11+; on 3.10 the shorter traceback goes without it
+        exc.add_note(note)
     return tb
 
 

@@ -48,8 +48,11 @@ class CrossGroups:
     """One sharded model's fault-tolerant all-reduce across replica groups (dies with the model)."""
 
     def __init__(self, manager: Any, process_group: Any, lighthouse: str, config: Any,
-                 state_ref: Callable[[], Any]) -> None:
+                 state_ref: Callable[[], Any], group_rank: int = 0, relaunch: int = 0) -> None:
         self.manager = manager
+        self.group_rank = group_rank  # this rank within its replica group's own job
+        self.relaunch = relaunch  # the launcher's restart count of this group (torchrun's)
+        self.voted = False  # this incarnation's first vote is behind it
         self.process_group = process_group
         self.lighthouse = lighthouse
         self.config = config
@@ -142,9 +145,28 @@ class CrossGroups:
     def should_commit(self) -> bool:
         """Whether every rank of every group in the quorum finished this step (a collective vote)."""
         try:
-            return bool(self.manager.should_commit())
+            committed = bool(self.manager.should_commit())
         finally:
             self.quorum_started = False
+        if not self.voted:
+            self.voted = True
+            self._say_if_relaunched_into_a_new_run(committed)
+        return committed
+
+    def _say_if_relaunched_into_a_new_run(self, committed: bool) -> None:
+        """A relaunched group heals from a group further along in its first quorum; where none was
+        (every group it trained with had finished or was gone), its first committed step took it
+        from step 0: it trains a new run from its initial weights, and nothing else would say so
+        (issue 57: two groups relaunched 10.5 s after the kill, the survivor finished in 8.6)."""
+        if not (committed and self.relaunch and self.group_rank == 0
+                and int(self.manager.current_step()) == 1):
+            return
+        logger.warning(
+            "replica group %d was relaunched (restart %d) and no group in its first quorum was past "
+            "step 0: it trains from the weights it started with, as a new run, not from where the "
+            "job was (the groups it trained with have finished or are gone). HINT: to continue "
+            "the job instead, load its last checkpoint before the training loop",
+            self.config.replica_group, self.relaunch)
 
     def shutdown(self) -> None:
         """Stop the Manager's servers and threads and drop its process group (never raises)."""
@@ -228,7 +250,9 @@ def start(config: Any, backend: Any, ctx: Any, state: Any) -> CrossGroups:
         rank=ctx.world.rank, world_size=ctx.world.size, store_addr=env.master_addr,
         store_port=env.master_port, lighthouse_addr=lighthouse,
         replica_id=replica_id(config.replica_group), init_sync=False)
-    cross = CrossGroups(manager, process_group, lighthouse, config, weakref.ref(state))
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    cross = CrossGroups(manager, process_group, lighthouse, config, weakref.ref(state),
+                        group_rank=ctx.world.rank, relaunch=int(restarts) if restarts.isdigit() else 0)
     load, save = _model_state_fns(cross.state_ref)
     cross.register_state("shardkit_model", load, save)
     finalizer = weakref.finalize(state, cross.shutdown)
