@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from shardkit.checkpoint import manifest as mf
 from shardkit.checkpoint.dcp_io import SafeFileSystemReader
-from shardkit.checkpoint.errors import (CheckpointNotFoundError, CorruptCheckpointError,
+from shardkit.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                                         IncompleteCheckpointError)
 from shardkit.checkpoint.safetensors_io import (INDEX_FILE, SafetensorsLayout, parse_size,
                                                 read_full_source)
@@ -116,7 +116,7 @@ def test_incomplete_missing_and_damaged_checkpoints_are_named(tmp_path):
     with pytest.raises(IncompleteCheckpointError, match="half.tmp-abc"):
         mf.resolve(str(tmp_path / "half"))
     os.makedirs(tmp_path / "nomanifest")
-    with pytest.raises(IncompleteCheckpointError, match="manifest.json is missing"):
+    with pytest.raises(IncompleteCheckpointError, match="is empty: shardkit_manifest.json is missing"):
         mf.resolve(str(tmp_path / "nomanifest"))
     _complete_checkpoint(tmp_path / "ok", b"0123456789")
     m = mf.read_manifest(str(tmp_path / "ok"))["files"]["data.bin"]
@@ -169,3 +169,44 @@ def test_the_model_where_the_path_goes_is_named_before_any_peer_is_asked(call, t
         getattr(ckpt, call)(model, str(tmp_path / "ckpt"))
     with pytest.raises(ShardkitError, match="needs the model as its second argument"):
         getattr(ckpt, call)(str(tmp_path / "ckpt"), "model")
+
+
+@pytest.mark.parametrize("name, files, says, deletable", [
+    ("ckpt.tmp-00ab12cd34ef", [".metadata", "__0_0.distcp"], "a save that never finished", True),
+    ("dcp", [".metadata", "__0_0.distcp"], "is a torch DCP checkpoint", False),
+    ("hf", ["config.json", "model-00001-of-00002.safetensors"], "Hugging Face or safetensors", False),
+    ("lost", [mf.STATE_FILE, ".metadata"], "holds a shardkit checkpoint's files but", False),
+    ("empty", [], "is empty", False),
+    ("other", ["notes.txt"], "is not a shardkit checkpoint", False),
+])
+def test_a_folder_without_a_manifest_is_named_for_what_it_holds(tmp_path, name, files, says,
+                                                                   deletable):
+    # Issue 54: a valid FSDP2 / torchtitan DCP folder was called "an incomplete checkpoint ...
+    # HINT: ... delete this directory". Only shardkit's own unfinished save (its temporary name)
+    # may be called safe to delete.
+    folder = tmp_path / name
+    folder.mkdir()
+    for f in files:
+        (folder / f).write_bytes(b"x")
+    with pytest.raises(IncompleteCheckpointError) as err:
+        mf.read_manifest(str(folder))
+    message = str(err.value)
+    assert says in message and "shardkit_manifest.json is missing" in message, message
+    assert ("safe to delete" in message) is deletable, message
+    assert "delete this directory" not in message
+
+
+def test_a_save_never_replaces_a_folder_that_is_not_a_shardkit_checkpoint(tmp_path):
+    # A torch DCP checkpoint at the save's path was taken for an unfinished shardkit save and
+    # replaced (deleted) by checkpoint.save.
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": {"w": torch.ones(3)}}, checkpoint_id=str(tmp_path / "fsdp2"), no_dist=True)
+    before = sorted(os.listdir(tmp_path / "fsdp2"))
+    assert not mf.is_checkpoint_dir(str(tmp_path / "fsdp2"))
+    with pytest.raises(CheckpointError, match="is not a shardkit checkpoint; refusing to replace"):
+        mf.check_replaceable(str(tmp_path / "fsdp2"), mf.is_checkpoint_dir, "shardkit checkpoint")
+    assert sorted(os.listdir(tmp_path / "fsdp2")) == before
+    _complete_checkpoint(tmp_path / "ours", b"0123")
+    (tmp_path / "empty").mkdir()
+    assert mf.is_checkpoint_dir(str(tmp_path / "ours")) and mf.is_checkpoint_dir(str(tmp_path / "empty"))

@@ -92,9 +92,7 @@ def read_manifest(directory: str) -> dict:
     if not os.path.isdir(directory):
         raise CheckpointNotFoundError(f"no checkpoint at {directory}{nearby_hint(directory)}")
     if not os.path.exists(path):
-        raise IncompleteCheckpointError(
-            f"{directory} is an incomplete checkpoint: {MANIFEST_FILE} is missing, so the save "
-            "that wrote it never finished. HINT: load an earlier checkpoint; delete this directory.")
+        raise IncompleteCheckpointError(describe_without_manifest(directory))
     try:
         with open(path) as f:
             manifest = json.load(f)
@@ -203,9 +201,57 @@ def check_replaceable(path: str, looks_like: Callable[[str], bool], what: str) -
 
 
 def is_checkpoint_dir(path: str) -> bool:
-    """True for a shardkit checkpoint directory, complete or not (an interrupted save)."""
-    return os.path.exists(os.path.join(path, MANIFEST_FILE)) or os.path.exists(
-        os.path.join(path, ".metadata")) or not os.listdir(path)
+    """True where a save may replace what is there: a complete shardkit checkpoint or an empty
+    directory. A save is written under a temporary name and renamed into place once its manifest
+    is written, so a folder without the manifest at `path` is never shardkit's unfinished save:
+    it may be a torch DCP checkpoint (FSDP2, torchtitan) that a save would have deleted."""
+    return os.path.exists(os.path.join(path, MANIFEST_FILE)) or not os.listdir(path)
+
+
+_HF_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json",
+             "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def describe_without_manifest(directory: str) -> str:
+    """Why `directory`, which has no manifest, is not a checkpoint to load, from what it holds,
+    and the route that reads it. Only a folder with a save's temporary name is shardkit's own
+    unfinished save, and only that one is said to be safe to delete."""
+    names = sorted(os.listdir(directory))
+    missing = f"{MANIFEST_FILE} is missing"
+    parent, base = os.path.split(os.path.abspath(directory))
+    final, marked, token = base.rpartition(TMP_MARK)
+    if marked and final and token and not token.endswith(".failed"):
+        return (f"{directory} is an incomplete checkpoint, a save that never finished: {missing} "
+                f"(a save writes it last, then renames the folder to {final}). HINT: load "
+                f"{os.path.join(parent, final)} or an earlier checkpoint; this folder is shardkit's "
+                "own unfinished save, safe to delete (the next save to that path removes it).")
+    if not names:
+        return (f"{directory} is empty: {missing} and nothing else is there, so no save finished "
+                f"there{nearby_hint(directory) or '. HINT: check the path'}.")
+    if STATE_FILE in names:
+        return (f"{directory} holds a shardkit checkpoint's files but {missing}: a save renames "
+                "its folder into place only after writing the manifest, so the manifest was lost "
+                "or removed since. HINT: keep the folder (its data may be whole) and load an "
+                "earlier checkpoint.")
+    if ".metadata" in names:
+        return (f"{directory} is a torch DCP checkpoint (its .metadata: written by FSDP2, "
+                f"torchtitan or dcp.save), not a shardkit one ({missing}). HINT: torch's API reads "
+                "it into a sharded model: state = {'model': get_model_state_dict(model)}; "
+                "dcp.load(state, checkpoint_id=DIR); set_model_state_dict(model, state['model']) "
+                "(torch.distributed.checkpoint and its .state_dict module; use the key it was "
+                "saved under).")
+    hf = [n for n in names if n in _HF_FILES or n.endswith(".safetensors")]
+    if hf:
+        return (f"{directory} holds Hugging Face or safetensors weights ({', '.join(hf[:3])}), "
+                f"not a shardkit checkpoint ({missing}). HINT: "
+                "shardkit.checkpoint.load_full_state_dict(model, DIR) loads safetensors weights "
+                "into a sharded model (each rank keeps its rows); from_pretrained() reads them "
+                "into an unsharded one.")
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    near = nearby_checkpoints(directory)
+    return (f"{directory} is not a shardkit checkpoint: {missing}; it holds {shown}. HINT: "
+            f"pass the folder checkpoint.save wrote (it holds {MANIFEST_FILE})"
+            + (f"; complete checkpoints nearby: {', '.join(near)}" if near else "") + ".")
 
 
 def remove_stale_tmp(path: str, keep: str) -> None:
