@@ -179,8 +179,18 @@ def state_dict_run(rank: int, world: int, tmp: str) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sd = model.state_dict()
-        model.state_dict()  # a second call does not warn again
+        model.state_dict()  # each call warns (the default filter: once per calling line)
     out["warnings"] = [str(w.message) for w in caught if w.category is ShardedStateDictWarning]
+    # torch's own state-dict functions and shardkit's full_state_dict take the whole model: quiet
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        get_model_state_dict(model)
+        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        shardkit.checkpoint.full_state_dict(model)
+    out["quiet_routes_warned"] = [str(w.message) for w in caught
+                                  if w.category is ShardedStateDictWarning]
     torch.save(sd, os.path.join(tmp, f"rows-{rank}.pt"))
     # The DDP habit's file (rank 0's rows) loaded on every rank of a sharded model: refused
     # except on rank 0, which wrote it.

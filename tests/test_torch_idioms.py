@@ -103,7 +103,9 @@ def test_torch_norm_function_is_put_back_at_shutdown():
 def test_state_dict_never_moves_half_a_model_silently(tmp_path, world, other):
     results = shardkit.spawn(state_dict_run, world, world, str(tmp_path), threads_per_rank=1)
     for rank, r in enumerate(results):
-        assert len(r["warnings"]) == 1 and "full_state_dict" in r["warnings"][0]
+        assert len(r["warnings"]) == 2 and "full_state_dict" in r["warnings"][0], r["warnings"]
+        assert "checkpoint.export(dir, model)" in r["warnings"][0]
+        assert r["quiet_routes_warned"] == []  # torch's get_model_state_dict, full_state_dict
         if rank == 0:
             assert r["rank0_rows"] == "loaded"
         else:

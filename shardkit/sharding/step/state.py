@@ -60,7 +60,7 @@ class ShardState:
         self.recording = False
         self.no_sync = False
         self.keep_unsharded = 0  # depth of model.unshard() contexts
-        self.warned_state_dict = False  # state_dict() warns once per model (state_dict_hooks.py)
+        self.warned_state_dict = False  # state_dict() of this model has warned (state_dict_hooks.py)
         self.finalizer_queued = False
         self.reductions: list[tuple[ShardUnit, PendingReduce]] = []
 

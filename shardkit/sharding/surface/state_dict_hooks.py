@@ -6,8 +6,9 @@ of the model: each value's `.full_tensor()` (collective) is the whole tensor, as
 Three habits would go wrong without a word (issue 40):
 
 - `torch.save(model.state_dict())` on rank 0, the DDP habit, writes one rank's part of the
-  model. The first such call warns (ShardedStateDictWarning, once per model) naming the
-  whole-model calls, and the dict is tagged in its `_metadata` (which torch.save keeps) with
+  model. Such a call warns (ShardedStateDictWarning; Python shows it once per calling line)
+  naming the whole-model calls, unless torch's own checkpointing (get_model_state_dict,
+  dcp.save) makes it, which treats the DTensors as the whole model, and the dict is tagged in its `_metadata` (which torch.save keeps) with
   the rank and group size whose rows it holds.
 - Loading that dict into a sharded model would copy rank 0's rows into every rank. A tagged
   dict loads only into the rank and group size that wrote it; any other is refused, naming both.
@@ -21,6 +22,8 @@ die with it, and they work whether the model is loaded directly or as a child of
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import torch
@@ -39,25 +42,45 @@ def install(model: nn.Module) -> None:
     model._register_load_state_dict_pre_hook(_cut_to_rows, with_module=True)
 
 
+def _called_by_torchs_checkpointing() -> bool:
+    """True inside torch.distributed.checkpoint (get_model_state_dict, dcp.save): it handles a
+    dict of DTensors as the whole model, so there is nothing to warn about."""
+    frame = sys._getframe(2)
+    for _ in range(40):  # torch's state-dict helpers sit a few frames above the hook
+        if frame is None:
+            return False
+        if _TORCH_CHECKPOINTING in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_TORCH_CHECKPOINTING = os.path.join("torch", "distributed", "checkpoint", "")
+
+
 def _tag_rows(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     state = get_state(module)
     local_metadata[TAG] = {"rank": state.shard_group.rank, "group_size": state.shard_group.size}
-    if state.warned_state_dict:
+    if state.shard_group.size < 2 or _called_by_torchs_checkpointing():
         return
     by_fqn = state.params_by_fqn()
     # keep_vars=True hands back the live Parameters: shardkit's own lookups by name, not a copy
     # on its way to a file.
     detached = [k for k in by_fqn if state_dict.get(prefix + k) is not None
                 and not isinstance(state_dict[prefix + k], nn.Parameter)]
-    if detached and state.shard_group.size > 1:
+    if detached:
+        # Each call warns (Python's default filter shows it once per line that calls it): the
+        # habit it catches, torch.save on rank 0, is a line of its own wherever it is.
         state.warned_state_dict = True
         warnings.warn(
             f"state_dict() of a model sharded by shardkit holds rank {state.shard_group.rank}'s "
             f"rows of each parameter (1 of {state.shard_group.size} shards; a DTensor's "
             ".full_tensor() is collective), not the whole model: torch.save of it on one "
-            "rank is not a full checkpoint. HINT: shardkit.checkpoint.full_state_dict(model) on "
-            "every rank gives rank 0 the whole model's dict; shardkit.checkpoint.save(path, "
-            "model, optimizer) writes a checkpoint that loads at any world size",
+            "rank is not a full checkpoint (dcp.save of it on every rank is). HINT: "
+            "shardkit.checkpoint.full_state_dict(model) on every rank gives rank 0 the whole "
+            "model's dict; shardkit.checkpoint.export(dir, model) writes safetensors files that "
+            "from_pretrained() reads; shardkit.checkpoint.save(path, model, optimizer) writes a "
+            "checkpoint that loads at any world size",
             ShardedStateDictWarning, stacklevel=3)
 
 
