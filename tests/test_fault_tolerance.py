@@ -467,3 +467,40 @@ def test_a_relaunched_group_with_nobody_ahead_says_it_trains_a_new_run(relaunch,
     if warns:
         assert said[0].startswith("replica group 2 was relaunched (restart 1) and no group in "
                                   "its first quorum was past step 0")
+
+
+_NO_LIGHTHOUSE = """
+import sys, time, torch, shardkit
+from torch import nn
+shardkit.init()
+began = time.time()
+try:
+    shardkit.shard(nn.Linear(8, 8), strategy="hybrid_shard", fault_tolerance=shardkit.FaultTolerance(
+        replica_group=0, lighthouse=sys.argv[1], quorum_timeout_s=5, connect_timeout_s=2))
+except shardkit.ShardkitError as exc:
+    print(f"{time.time() - began:.1f} s: {exc}", flush=True)
+shardkit.shutdown()
+"""
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_a_lighthouse_not_running_at_start_is_named_within_the_connect_timeout(tmp_path):
+    # Issue 54: torchft's raw "failed to connect ... or increase connect_timeout" after 60 s by
+    # default, a setting FaultTolerance did not have, and no word of the lighthouse.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once it is closed
+    script = tmp_path / "train.py"
+    script.write_text(_NO_LIGHTHOUSE)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT",
+                                                             "TORCHFT_LIGHTHOUSE")}
+    out = subprocess.run([sys.executable, "-m", "shardkit", "launch", "--nproc", "1", str(script),
+                          address], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    seconds, message = out.stdout.strip().split(" s: ", 1)
+    assert f"could not start torchft's Manager: it reaches the torchft lighthouse at {address}, " \
+           "which did not answer within connect_timeout_s=2" in message, message
+    assert "HINT: start the lighthouse first" in message
+    assert float(seconds) < 5, seconds  # within quorum_timeout_s (2 s, and the Manager's start)

@@ -112,11 +112,13 @@ def start(rank: int, world_size: int, timeout: datetime.timedelta, shares_proces
 
 
 def launched_rank() -> bool:
-    """True in a process a launcher started as one rank of several (not a REPL or notebook)."""
+    """True in a process a launcher started as one rank of several, or as the one rank of a
+    torchrun job (whose agent reads the error file this rank writes), never in a REPL or notebook."""
     try:
-        return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not interactive()
+        several = int(os.environ.get("WORLD_SIZE", "1")) > 1
     except ValueError:
-        return False
+        several = False
+    return (several or bool(os.environ.get(launcher_record.ERROR_FILE_ENV))) and not interactive()
 
 
 def install_report_hooks() -> None:
@@ -297,7 +299,11 @@ def _callers_frames(exc: BaseException, tb: Any) -> Any:
     if last_outside is None or node is None:
         return tb
     last_outside.tb_next = None
-    note = "(shardkit's own frames are left out; SHARDKIT_DEBUG=1 prints them)"
+    wrapped = exc.__cause__ is not None or (exc.__context__ is not None
+                                            and not exc.__suppress_context__)
+    exc.__cause__, exc.__suppress_context__ = None, True  # its message says what it wrapped
+    note = ("(shardkit's own frames" + (" and the error it wrapped" if wrapped else "")
+            + " are left out; SHARDKIT_DEBUG=1 prints them)")
     if hasattr(exc, "add_note"):  # Python 3.11+; on 3.10 the shorter traceback goes without it
         exc.add_note(note)
     return tb

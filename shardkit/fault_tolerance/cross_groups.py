@@ -242,14 +242,25 @@ def start(config: Any, backend: Any, ctx: Any, state: Any) -> CrossGroups:
     if ctx.world.rank == 0:
         clear_manager_keys(env.master_addr, env.master_port)
     backend.barrier(ctx.world)  # no rank reads the store before the stale keys are gone
-    manager = Manager(
-        pg=process_group, load_state_dict=None, state_dict=None,
-        min_replica_size=config.min_replica_groups, timeout=timeout,
-        quorum_timeout=datetime.timedelta(seconds=config.quorum_timeout_s),
-        connect_timeout=datetime.timedelta(seconds=min(config.quorum_timeout_s, 60.0)),
-        rank=ctx.world.rank, world_size=ctx.world.size, store_addr=env.master_addr,
-        store_port=env.master_port, lighthouse_addr=lighthouse,
-        replica_id=replica_id(config.replica_group), init_sync=False)
+    connect_s = min(config.connect_timeout_s, config.quorum_timeout_s)
+    try:
+        manager = Manager(
+            pg=process_group, load_state_dict=None, state_dict=None,
+            min_replica_size=config.min_replica_groups, timeout=timeout,
+            quorum_timeout=datetime.timedelta(seconds=config.quorum_timeout_s),
+            connect_timeout=datetime.timedelta(seconds=connect_s),
+            rank=ctx.world.rank, world_size=ctx.world.size, store_addr=env.master_addr,
+            store_port=env.master_port, lighthouse_addr=lighthouse,
+            replica_id=replica_id(config.replica_group), init_sync=False)
+    except Exception as exc:  # torchft's words name a connect_timeout FaultTolerance calls otherwise
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ShardkitError(
+            f"replica group {config.replica_group} could not start torchft's Manager: it reaches "
+            f"the torchft lighthouse at {lighthouse}, which did not answer within "
+            f"connect_timeout_s={connect_s:g} ({type(exc).__name__}: {said}). HINT: start the "
+            "lighthouse first (torchft_lighthouse --min_replicas 1 --bind [::]:29510) on that "
+            f"host, check the address (FaultTolerance(lighthouse=...) or {LIGHTHOUSE_ENV}), or give "
+            "it longer with FaultTolerance(connect_timeout_s=...)") from exc
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     cross = CrossGroups(manager, process_group, lighthouse, config, weakref.ref(state),
                         group_rank=ctx.world.rank, relaunch=int(restarts) if restarts.isdigit() else 0)

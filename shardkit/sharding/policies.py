@@ -92,7 +92,8 @@ class FaultTolerance:
     TORCHFT_LIGHTHOUSE); min_replica_groups: the fewest groups a step may commit with; timeout_s:
     how long a collective, a commit vote or a recovery may take before the step is dropped;
     quorum_timeout_s: how long to wait for a quorum (the lighthouse unreachable ends the job
-    after it).
+    after it); connect_timeout_s: how long shard() waits for the lighthouse to answer at the
+    start (at most quorum_timeout_s), before it says it cannot reach it.
     """
 
     replica_group: int
@@ -100,6 +101,7 @@ class FaultTolerance:
     min_replica_groups: int = 1
     timeout_s: float = 60.0
     quorum_timeout_s: float = 60.0
+    connect_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         group = self.replica_group
@@ -110,7 +112,7 @@ class FaultTolerance:
         if isinstance(low, bool) or not isinstance(low, int) or low < 1:
             raise ShardkitError(f"FaultTolerance.min_replica_groups must be an int >= 1, got "
                                 f"{low!r}")
-        for name in ("timeout_s", "quorum_timeout_s"):
+        for name in ("timeout_s", "quorum_timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ShardkitError(f"FaultTolerance.{name} must be a number of seconds > 0, "
