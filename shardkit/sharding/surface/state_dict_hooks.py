@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 import warnings
 
 import torch
@@ -45,7 +46,7 @@ def install(model: nn.Module) -> None:
 def _called_by_torchs_checkpointing() -> bool:
     """True inside torch.distributed.checkpoint (get_model_state_dict, dcp.save): it handles a
     dict of DTensors as the whole model, so there is nothing to warn about."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     for _ in range(40):  # torch's state-dict helpers sit a few frames above the hook
         if frame is None:
             return False
