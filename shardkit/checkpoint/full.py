@@ -65,7 +65,8 @@ def export(path: str | os.PathLike, model: torch.nn.Module,
     """Collective: write full weights as safetensors (HF layout, index when split), streaming unit by unit.
 
     `path` becomes a directory with ``model.safetensors`` or ``model-0000i-of-0000n.safetensors``
-    files plus ``model.safetensors.index.json``. `dtype` casts floating tensors (e.g. torch.bfloat16).
+    files plus ``model.safetensors.index.json``, and a Hugging Face model's ``config.json``, so
+    ``from_pretrained(path)`` loads it as it is. `dtype` casts floating tensors (e.g. torch.bfloat16).
     """
     ctx = collective.context()
     path = os.path.abspath(os.fspath(path))
@@ -82,8 +83,18 @@ def export(path: str | os.PathLike, model: torch.nn.Module,
     else:
         visit_full_tensors(model, lambda name, tensor: None)
     collective.on_rank0(ctx, f"export to {path}", lambda: (layout.finish(tmp),
+                                                           _write_configs(model, tmp),
                                                            mf.replace_dir(tmp, path)))
     return path
+
+
+def _write_configs(model: torch.nn.Module, directory: str) -> None:
+    """A Hugging Face model's config.json (and generation_config.json), which from_pretrained()
+    needs beside the weights; any model with a `config` that can save itself the same way."""
+    for attr in ("config", "generation_config"):
+        config = getattr(model, attr, None)
+        if config is not None and callable(getattr(config, "save_pretrained", None)):
+            config.save_pretrained(directory)
 
 
 def _cast_dtype(current: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:

@@ -131,9 +131,13 @@ class SafetensorsLayout:
         mf.fsync_dir(directory)
 
 
+CONFIG_FILES = ("config.json", "generation_config.json")  # export() writes a model's own
+
+
 def is_weights_dir(path: str) -> bool:
-    """True for a directory holding only what `SafetensorsLayout.create` writes (or nothing)."""
-    return all(name.endswith(".safetensors") or name == INDEX_FILE for name in os.listdir(path))
+    """True for a directory holding only what export() writes (or nothing)."""
+    return all(name.endswith(".safetensors") or name in (INDEX_FILE, *CONFIG_FILES)
+               for name in os.listdir(path))
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:

@@ -171,12 +171,30 @@ def _find_units(state: ShardState, keys: Sequence[nn.Module | str]) -> list[Shar
     return [_find_unit(state, k) for k in keys]
 
 
+def _save_pretrained_refused(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Refused at once: Hugging Face's save_pretrained() of a sharded model hangs or fails."""
+    # Called on rank 0 alone (the habit), transformers' tied-weights check ran a collective on
+    # the DTensor parameters that no other rank joined: a hang until the collective timeout,
+    # a folder with config.json and no weights. Called on every rank, safetensors refused the
+    # DTensors' storage. export() is collective and writes what from_pretrained() reads.
+    if get_state(self).shard_group.size == 1:  # whole plain parameters: Hugging Face's own works
+        return super(type(self), self).save_pretrained(*args, **kwargs)  # type: ignore[misc]
+    raise ShardkitError(
+        "save_pretrained() of a model sharded by shardkit would write one rank's rows (or wait "
+        "for ranks that never join it). HINT: call shardkit.checkpoint.export(dir, model) on "
+        "every rank (rank 0 writes the safetensors files, their index when split, and "
+        "config.json); from_pretrained(dir) then loads it as it is")
+
+
 def sharded_class(cls: type) -> type:
     """Return the class shard() gives a model of class `cls` (ShardedModule in front), made once per class."""
     with _CLASSES_LOCK:
         ref = _SHARDED_CLASSES.get(cls)
         sub = None if ref is None else ref()
         if sub is None:
-            sub = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+            members = {}
+            if callable(getattr(cls, "save_pretrained", None)):
+                members["save_pretrained"] = _save_pretrained_refused
+            sub = type(f"Sharded{cls.__name__}", (ShardedModule, cls), members)
             _SHARDED_CLASSES[cls] = weakref.ref(sub)
         return sub
