@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .errors import ShardkitError
+
 if TYPE_CHECKING:  # torch is imported on the first call: `import shardkit` stays cheap
     import torch
 
@@ -21,6 +23,13 @@ def replicate(model: torch.nn.Module, backend: str | Backend | None = None,
     from torch.nn.parallel import DistributedDataParallel
 
     from .job.runtime import require_context
+
+    if "quantize" in ddp_kwargs:  # shard()'s option; DDP would answer with a TypeError of its own
+        raise ShardkitError(
+            "replicate() is torch's DDP and sends exact gradients; quantized collectives are "
+            "shard()'s. HINT: shardkit.shard(model, strategy='NO_SHARD', "
+            "quantize=shardkit.Quantization(gradients=True)) replicates the model and sends its "
+            "gradient all-reduce as int8 blocks")
 
     ctx = require_context(backend)
     model = model.to(ctx.device)

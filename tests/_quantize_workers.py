@@ -191,6 +191,8 @@ def step_bytes(rank: int, world: int, cases: list, settings: list) -> dict:
     out = {}
     for strategy, group in cases:
         for q in settings:
+            if strategy == "NO_SHARD" and q.weights:
+                continue  # refused: NO_SHARD gathers no weights to quantize
             torch.manual_seed(0)
             model = shardkit.shard(TinyNet(), strategy=strategy, quantize=q,
                                    auto_wrap_policy=shardkit.wrap.transformer_layers({Block}),

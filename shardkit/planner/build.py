@@ -18,8 +18,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..backend import Backend
 from ..capabilities import AttentionCall, Capabilities, fused_attention_on_cpu
 from ..errors import ShardkitError
+from ..sharding.api import check_quantization_support
 from ..sharding.step.buckets import collective_buckets
 from ..sharding.step.traffic import CommStats
 from ..sharding.setup.groups import shard_group_size
@@ -47,30 +49,31 @@ def _positive_int(name: str, value: object) -> int:
 def plan_target(backend: object, shard_alignment: int | None) -> Target:
     """What the rehearsal takes the target to be: the named backend's declared capabilities
     and device type, else the host's defaults with `shard_alignment`."""
-    caps = target_capabilities(backend)
-    if caps is None:
+    cls = target_class(backend)
+    if cls is None:
         align, _, _ = backend_facts(shard_alignment, None)
         return Target(Capabilities(shard_alignment=align), "cpu")
-    from ..backend import Backend
+    return Target(cls.capabilities, cls.device_type)
+
+
+def target_class(backend: object) -> type[Backend] | None:
+    """The Backend class a plan targets, by name or object (None: none named); not started."""
     from ..job.selection import backend_class
 
-    cls = type(backend) if isinstance(backend, Backend) else backend_class(str(backend))
-    return Target(caps, cls.device_type)
+    if backend is None:
+        return None
+    if isinstance(backend, Backend):
+        return type(backend)
+    if isinstance(backend, str):
+        return backend_class(backend)
+    raise ShardkitError(f"backend must be a name or a Backend, got {type(backend).__name__}")
 
 
 def target_capabilities(backend: object) -> Capabilities | None:
     """The declared capabilities of the backend a plan targets, by name or object (None: none
     named, the planner's host defaults). A name is read from its registered class: not started."""
-    if backend is None:
-        return None
-    from ..backend import Backend
-    from ..job.selection import backend_class
-
-    if isinstance(backend, Backend):
-        return backend.capabilities
-    if isinstance(backend, str):
-        return backend_class(backend).capabilities
-    raise ShardkitError(f"backend must be a name or a Backend, got {type(backend).__name__}")
+    cls = target_class(backend)
+    return None if cls is None else cls.capabilities
 
 
 def backend_facts(shard_alignment: int | None, backend: object
@@ -157,6 +160,9 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
     world = _positive_int("world_size", world_size)
     config = ShardConfig.build(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
                                quantization=quantize)
+    target_cls = target_class(backend)
+    if target_cls is not None:
+        check_quantization_support(config.quantization, target_cls)  # shard()'s own refusal
     strat, mp = config.strategy, config.mixed_precision
     n_states = state_tensors(optimizer)
     if hybrid_group_size is not None:

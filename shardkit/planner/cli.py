@@ -17,14 +17,36 @@ LINK_NAMES = ("nvlink", "ib", "ethernet")  # steptime.LINKS' keys, torch-free fo
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
-def quantization(which: str | None, block: int) -> Any:
+# Quantization.block_size's bounds, spelled out so that parsing needs no torch (a test keeps
+# them equal to shardkit.sharding.policies').
+MIN_QUANT_BLOCK, MAX_QUANT_BLOCK = 8, 1 << 20
+
+
+def _quant_block(text: str) -> int:
+    """--quantize-block N: checked as it is parsed, naming the flag (not Quantization's field)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not MIN_QUANT_BLOCK <= value <= MAX_QUANT_BLOCK:
+        raise argparse.ArgumentTypeError(f"expected {MIN_QUANT_BLOCK} to {MAX_QUANT_BLOCK} "
+                                         f"elements per fp32 scale, got {text}")
+    return value
+
+
+def quantization(which: str | None, block: int | None) -> Any:
     """The shard() option --quantize names (None: exact collectives)."""
     if which is None:
+        if block is not None:
+            raise ShardkitError("--quantize-block sets the block size of --quantize, which is not "
+                                "given: the plan would be exact. HINT: add --quantize weights, "
+                                "gradients or both")
         return None
     from ..sharding.policies import Quantization
 
     return Quantization(weights=which in ("weights", "both"),
-                        gradients=which in ("gradients", "both"), block_size=block)
+                        gradients=which in ("gradients", "both"),
+                        block_size=256 if block is None else block)
 
 def _number(text: str) -> float:
     """`text` as a float; NaN (which every range check refuses) when it is not a number."""
@@ -147,8 +169,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quantize", default=None, choices=("weights", "gradients", "both"),
                    help="send the weight all-gathers and/or gradient reductions as int8 blocks "
                         "(shardkit.Quantization)")
-    p.add_argument("--quantize-block", type=positive_int, default=256, metavar="N",
-                   help="elements per fp32 scale of --quantize (default 256)")
+    p.add_argument("--quantize-block", type=_quant_block, default=None, metavar="N",
+                   help=f"elements per fp32 scale of --quantize, {MIN_QUANT_BLOCK} to "
+                        f"{MAX_QUANT_BLOCK} (default 256); needs --quantize")
     p.add_argument("--fault-tolerant", action="store_true",
                    help="HYBRID_SHARD with shard(..., fault_tolerance=...): add the copy of its "
                         "state a rejoining rank receives (see Plan.recovery_bytes)")
@@ -200,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     from .models import (default_hf_wrap, from_factory, from_hf_config, hf_config,
                          wrap_by_class_names)
 
+    quantize = quantization(args.quantize, args.quantize_block)  # before building the model
     if args.hf_config is not None:
         model = from_hf_config(hf_config(args.hf_config, args.set))
         present = {type(m).__name__ for m in model.modules()}
@@ -216,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
                    mixed_precision=mixed_precision(args.mixed_precision), optimizer=args.optimizer,
                    hybrid_group_size=args.hybrid_group_size, backend=args.backend,
                    prefetch=args.prefetch, nodes=args.nodes, threads_per_rank=args.threads_per_rank,
-                   quantize=quantization(args.quantize, args.quantize_block))
+                   quantize=quantize)
     heading = (f"model: {type(model).__name__}; units: "
                f"{', '.join(sorted(wrap_names)) or 'the root module only'}")
     if args.step_time is not None and (args.device_memory is not None or args.world_size == "auto"):

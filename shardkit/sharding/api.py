@@ -60,14 +60,21 @@ def _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
 
 
 def _check_quantization(config: ShardConfig, backend: Backend) -> None:
-    """Refuse quantized reductions where the backend has no all-to-all to move them with."""
-    inherited = getattr(type(backend), "all_to_all_single", None) is Backend.all_to_all_single
-    if (config.quantization.gradients and inherited
-            and not backend.capabilities.torch_process_group):
+    check_quantization_support(config.quantization, type(backend))
+
+
+def check_quantization_support(quantization: Quantization, backend_cls: type[Backend]) -> None:
+    """Refuse quantized reductions where the backend has no all-to-all to move them with.
+
+    One check for shard() and the planner (which passes the target's registered class, never
+    started): a plan must not count bytes that shard() would refuse to send."""
+    inherited = getattr(backend_cls, "all_to_all_single", None) is Backend.all_to_all_single
+    if (quantization.gradients and inherited
+            and not backend_cls.capabilities.torch_process_group):
         raise ShardkitError(
             f"Quantization(gradients=True) moves int8 blocks with an all-to-all, and backend "
-            f"{backend.name!r} has none (its collectives do not run on a torch process group and "
-            "it does not override Backend.all_to_all_single); HINT: quantize the weights only "
+            f"{backend_cls.name!r} has none (its collectives do not run on a torch process group "
+            "and it does not override Backend.all_to_all_single); HINT: quantize the weights only "
             "(Quantization(weights=True)), or implement all_to_all_single in the backend plugin")
 
 

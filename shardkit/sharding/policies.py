@@ -47,6 +47,9 @@ class MixedPrecision:
     output_dtype: torch.dtype | None = None
 
 
+MIN_QUANT_BLOCK, MAX_QUANT_BLOCK = 8, 1 << 20  # Quantization.block_size's bounds
+
+
 @dataclass(frozen=True)
 class Quantization:
     """Which collectives travel as block-quantized int8 (ZeRO++ qwZ / qgZ); masters stay exact.
@@ -72,9 +75,10 @@ class Quantization:
                 raise ShardkitError(f"Quantization.{name} must be True or False, got "
                                     f"{getattr(self, name)!r}")
         block = self.block_size
-        if isinstance(block, bool) or not isinstance(block, int) or not 8 <= block <= 1 << 20:
-            raise ShardkitError(f"Quantization.block_size must be an int in [8, 1048576] "
-                                f"(elements per fp32 scale), got {block!r}")
+        if (isinstance(block, bool) or not isinstance(block, int)
+                or not MIN_QUANT_BLOCK <= block <= MAX_QUANT_BLOCK):
+            raise ShardkitError(f"Quantization.block_size must be an int in [{MIN_QUANT_BLOCK}, "
+                                f"{MAX_QUANT_BLOCK}] (elements per fp32 scale), got {block!r}")
 
 
 @dataclass(frozen=True)
@@ -147,13 +151,20 @@ class ShardConfig:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ShardkitError(f"prefetch must be an int >= 0 (0 disables prefetch), got "
                                 f"{prefetch!r}")
-        quantization = quantization or Quantization()
-        if not isinstance(quantization, Quantization):
+        if quantization is None:
+            quantization = Quantization()
+        elif not isinstance(quantization, Quantization):  # 0, "" or False would mean "exact"
             raise ShardkitError(f"quantize must be a shardkit.Quantization (e.g. "
-                                f"Quantization(weights=True, gradients=True)), got "
-                                f"{type(quantization).__name__}")
-        return cls(ShardingStrategy.parse(strategy), mp, bool(cpu_offload), prefetch,
-                   hybrid_group_size, param_init_fn, quantization)
+                                f"Quantization(weights=True, gradients=True)) or None for exact "
+                                f"collectives, got {quantization!r}")
+        parsed = ShardingStrategy.parse(strategy)
+        if parsed is ShardingStrategy.NO_SHARD and quantization.weights:
+            raise ShardkitError("Quantization(weights=True) under NO_SHARD quantizes nothing: "
+                                "NO_SHARD keeps whole weights on every rank and gathers none. "
+                                "HINT: Quantization(gradients=True) quantizes its gradient "
+                                "all-reduce; FULL_SHARD or SHARD_GRAD_OP gather weights")
+        return cls(parsed, mp, bool(cpu_offload), prefetch, hybrid_group_size, param_init_fn,
+                   quantization)
 
     @property
     def reshard_after_forward(self) -> bool:
