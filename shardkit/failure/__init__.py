@@ -1,4 +1,10 @@
-"""Failure handling for a running job: the timeout, the watchdog, and what a failing rank reports."""
+"""Failure handling for a running job: the timeout, the watchdog, and what a failing rank reports.
+
+watchdog (heartbeats and the failure board), where (the unit and phase a rank is in),
+launcher_record (the error file torchrun reads), same_error (an error every rank raises alike is
+printed once per node), interrupt (a Ctrl-C noted, so what follows from it is not reported),
+node (which peers share this host).
+"""
 
 from __future__ import annotations
 
