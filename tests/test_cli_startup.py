@@ -239,7 +239,7 @@ shardkit.shard(nn.Linear(4, 4), strategy="FULL_SAHRD")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("debug", [False, pytest.param(True, marks=pytest.mark.long)])
 def test_an_error_every_rank_raises_prints_once_then_the_summary_with_its_text(debug, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_SAME_MISTAKE)
@@ -261,6 +261,7 @@ def test_an_error_every_rank_raises_prints_once_then_the_summary_with_its_text(d
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a 2-rank launch: about 7 s on 2 cores
 def test_a_wrong_backend_name_in_init_is_said_once_and_reaches_the_summary(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import shardkit\nshardkit.init(backend='gloo')\n")

@@ -485,6 +485,7 @@ shardkit.shutdown()
 
 @needs_torchft
 @pytest.mark.slow
+@pytest.mark.long  # a launch that waits out connect_timeout_s: about 10 s on 2 cores
 def test_a_lighthouse_not_running_at_start_is_named_within_the_connect_timeout(tmp_path):
     # Issue 54: torchft's raw "failed to connect ... or increase connect_timeout" after 60 s by
     # default, a setting FaultTolerance did not have, and no word of the lighthouse.

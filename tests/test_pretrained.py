@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two spawned jobs with a GPT-2: about 17 s on 2 cores
 @pytest.mark.parametrize("world", [2, 3])
 def test_save_pretrained_is_refused_at_once_and_export_is_what_from_pretrained_reads(tmp_path, world):
     results = shardkit.spawn(save_as_users_do, world, str(tmp_path), threads_per_rank=1)
