@@ -24,9 +24,20 @@ def _run(launcher: list[str], script: str, out: Path) -> list[float]:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                         "SHARDKIT_BACKEND")}
     env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run([sys.executable, "-m", *launcher, str(PORT / script), str(out)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=out)
-    assert done.returncode == 0, done.stdout + done.stderr
+    for attempt in range(3):
+        done = subprocess.run([sys.executable, "-m", *launcher, str(PORT / script), str(out)],
+                              capture_output=True, text=True, timeout=300, env=env, cwd=out)
+        said = done.stdout + done.stderr
+        # torch's own abort at exit, in the plain FSDP2 script (no shardkit in the process):
+        # "terminate called without an active exception" after destroy_process_group(), 1 of
+        # 3 runs in the long lane here (issue 55's exit abort, reproduced without shardkit).
+        # The reference is run again; shardkit's port is held to exit 0 every time.
+        if (done.returncode != 0 and script == "fsdp2_train.py" and attempt < 2
+                and "terminate called without an active exception" in said):
+            print(f"torch's FSDP2 reference aborted at exit (attempt {attempt + 1}); run again")
+            continue
+        break
+    assert done.returncode == 0, said
     return [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", done.stdout)]
 
 
