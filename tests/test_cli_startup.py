@@ -275,3 +275,15 @@ def test_a_wrong_backend_name_in_init_is_said_once_and_reaches_the_summary(tmp_p
     # rank 1 raised the same error, or torchrun stopped it first (both seen on this 2-core VM)
     assert (summary[2].endswith("exited with status 1: the same error")
             or summary[2].endswith("was stopped by torchrun (SIGTERM) after rank 0 failed")), out
+
+
+def test_the_same_error_is_said_once_per_job_not_once_per_parent(monkeypatch):
+    # Jobs that share a parent (every shardkit.spawn call of one process) each report their
+    # own ranks' error: the marker is the job's, not the parent's.
+    from shardkit.failure import same_error
+
+    error = ValueError(f"the same words {time.time()}")
+    monkeypatch.setenv("SHARDKIT_JOB_ID", f"shardkit.spawn/first-{os.getpid()}")
+    assert same_error.first_to_report(error) and not same_error.first_to_report(error)
+    monkeypatch.setenv("SHARDKIT_JOB_ID", f"shardkit.spawn/second-{os.getpid()}")
+    assert same_error.first_to_report(error)

@@ -14,35 +14,31 @@ import hashlib
 import os
 import tempfile
 
+from ..launch_env import job_identity
+
 
 def folder_prefix(launcher_pid: int) -> str:
     """The start of the marker folders of the ranks a launcher with this pid started (it removes them)."""
     return os.path.join(tempfile.gettempdir(), f"shardkit-errors-{launcher_pid}-")
 
 
-def _launch_key() -> str | None:
-    """What the ranks of this launch on this node share; None outside a launch of several ranks."""
-    try:
-        if int(os.environ.get("WORLD_SIZE", "1")) < 2:
-            return None
-    except ValueError:
-        return None
+def _launch_key() -> str:
+    """What the ranks of this launch on this node share, and no other launch: the job's id
+    (shardkit.spawn's per call, torchrun's run id, a scheduler's job), the parent, its start."""
     parent = os.getppid()
     try:
         with open(f"/proc/{parent}/stat") as f:
             started = f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time in ticks
     except (OSError, IndexError):
         started = "?"
-    return "-".join((os.environ.get("TORCHELASTIC_RUN_ID", ""), str(parent), started,
+    return "-".join((job_identity() or "", str(parent), started,
                      os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
 
 def first_to_report(exc: BaseException) -> bool:
-    """True unless another rank of this launch on this node already reported the same error."""
-    key = _launch_key()
-    if key is None:
-        return True
-    folder = folder_prefix(os.getppid()) + hashlib.sha1(key.encode()).hexdigest()[:16]
+    """True unless another rank of this launch on this node already reported the same error
+    (the caller asks only in a launched rank: failure.launched_rank)."""
+    folder = folder_prefix(os.getppid()) + hashlib.sha1(_launch_key().encode()).hexdigest()[:16]
     said = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
     name = hashlib.sha1(said.encode(errors="replace")).hexdigest()
     try:
