@@ -19,3 +19,14 @@ TRIES = 3
 def torch_reference_aborted_at_exit(returncode: int, said: str) -> bool:
     """Whether a torch-only reference run failed only by torch's abort at exit."""
     return returncode != 0 and ABORT in said
+
+
+def run_reference(run, is_reference: bool, what: str):
+    """run() (a CompletedProcess) again, up to TRIES times, while a torch-only reference aborts at exit."""
+    for attempt in range(TRIES):
+        done = run()
+        said = (done.stdout or "") + (done.stderr or "")
+        if not (is_reference and attempt < TRIES - 1
+                and torch_reference_aborted_at_exit(done.returncode, said)):
+            return done
+        print(f"{what} aborted at exit (attempt {attempt + 1}); run again")

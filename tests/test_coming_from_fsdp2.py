@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _torch_exit_abort import TRIES, torch_reference_aborted_at_exit
+from _torch_exit_abort import run_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = ROOT / "examples" / "from_fsdp2"
@@ -26,17 +26,13 @@ def _run(launcher: list[str], script: str, out: Path) -> list[float]:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                         "SHARDKIT_BACKEND")}
     env["OMP_NUM_THREADS"] = "1"
-    for attempt in range(TRIES):
-        done = subprocess.run([sys.executable, "-m", *launcher, str(PORT / script), str(out)],
-                              capture_output=True, text=True, timeout=300, env=env, cwd=out)
-        said = done.stdout + done.stderr
-        # torch's own abort at exit, in the plain FSDP2 script (no shardkit in the process),
-        # after destroy_process_group(): tests/_torch_exit_abort.py. Only the reference reruns.
-        if (script == "fsdp2_train.py" and attempt < TRIES - 1
-                and torch_reference_aborted_at_exit(done.returncode, said)):
-            print(f"torch's FSDP2 reference aborted at exit (attempt {attempt + 1}); run again")
-            continue
-        break
+    # torch's own abort at exit, in the plain FSDP2 script (no shardkit in the process),
+    # after destroy_process_group(): tests/_torch_exit_abort.py. Only the reference reruns.
+    done = run_reference(
+        lambda: subprocess.run([sys.executable, "-m", *launcher, str(PORT / script), str(out)],
+                               capture_output=True, text=True, timeout=300, env=env, cwd=out),
+        script == "fsdp2_train.py", "torch's FSDP2 reference")
+    said = done.stdout + done.stderr
     assert done.returncode == 0, said
     return [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", done.stdout)]
 

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from _torch_exit_abort import TRIES, torch_reference_aborted_at_exit
+from _torch_exit_abort import run_reference
 
 from shardkit.errors import ShardkitError
 from shardkit.lightning.precision import mixed_precision_for
@@ -34,17 +34,12 @@ def _run(tmp_path: Path, name: str, *args: str, script: Path = SCRIPT) -> dict:
                                 "NODE_RANK", "TORCHELASTIC"))}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     out = tmp_path / f"{name}.json"
-    torch_reference = "ddp" in args  # Lightning's own DDPStrategy: no shardkit engine runs
-    for attempt in range(TRIES):
-        proc = subprocess.run([sys.executable, str(script), "--out", str(out), *args], cwd=tmp_path,
-                              env=env, capture_output=True, text=True, timeout=300)
-        # torch's abort at exit (tests/_torch_exit_abort.py), seen once in this reference in a
-        # clean clone's .ci/run: the reference runs again; shardkit's runs are held to exit 0.
-        if (torch_reference and attempt < TRIES - 1
-                and torch_reference_aborted_at_exit(proc.returncode, proc.stderr)):
-            print(f"Lightning's DDP reference aborted at exit (attempt {attempt + 1}); run again")
-            continue
-        break
+    # torch's abort at exit (tests/_torch_exit_abort.py), seen once in Lightning's own DDP
+    # reference in a clean clone's .ci/run: it runs again; shardkit's runs are held to exit 0.
+    proc = run_reference(
+        lambda: subprocess.run([sys.executable, str(script), "--out", str(out), *args], cwd=tmp_path,
+                               env=env, capture_output=True, text=True, timeout=300),
+        "ddp" in args, "Lightning's DDP reference")
     assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
     return json.loads(out.read_text())
 
