@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import shardkit
 from shardkit import Quantization
 from shardkit.sharding.setup.groups import GroupMaker, make_node_hops
-from shardkit.sharding.step.collectives import quantized_all_reduce, reduced_row, start_reduce_scatter
+from shardkit.sharding.step.comms import QuantizedReplicaReduce, QuantizedScatter
 from shardkit.sharding.step.quantize import decode_rows, encode_rows
 from shardkit.sharding.step.reduce_ops import ReducePlan
 from shardkit.sharding.step.traffic import CommStats
@@ -63,9 +63,12 @@ def all_reduce_expected(world: int, numel: int) -> torch.Tensor:
 
 
 def _scatter(inp: torch.Tensor, ctx, stats: CommStats, hops=None) -> torch.Tensor:
-    pending = start_reduce_scatter([], inp, ctx.device, ctx.world, ctx.backend, stats,
-                                   ReducePlan(), quantize_block=BLOCK, node_hops=hops)
-    return reduced_row(pending, None, ctx.backend, stats)
+    out = torch.empty(inp.shape[1])
+    work, finish = QuantizedScatter(ctx.backend, stats, BLOCK, hops).launch(out, inp, ctx.world,
+                                                                            ReducePlan())
+    work.wait()
+    finish(ctx.backend.current_stream(ctx.device))
+    return out
 
 
 def collectives(rank: int, world: int) -> dict:
@@ -92,7 +95,7 @@ def collectives(rank: int, world: int) -> dict:
     numel = world * ROW - 5  # not a multiple of the world: the last slice is padded
     flat = x.reshape(-1)[:numel].clone()
     stats = CommStats()
-    quantized_all_reduce(flat, ctx.world, ctx.backend, stats, BLOCK, "sum", None)
+    QuantizedReplicaReduce(ctx.backend, stats, BLOCK).all_reduce(flat, ctx.world, "sum", None)
     out["all_reduce"] = (flat - all_reduce_expected(world, numel)).abs().max().item()
     out["all_reduce_bytes"] = stats.snapshot()["all_reduce"]
     out["all_reduce_value"] = flat.sum().item()  # the same on every rank

@@ -211,7 +211,7 @@ def check_all_to_all(c: Checker) -> None:
 
 @_check
 def check_engine_call_shapes(c: Checker) -> None:
-    """The calls the engine itself makes (sharding/step/collectives.py), beyond the plain ones above:
+    """The calls the engine itself makes (sharding/step/comms/), beyond the plain ones above:
     an in-place all-gather whose input is this rank's row of the output (sync and async), and a
     reduce-scatter whose input the engine overwrites and reuses right after wait() (it consumes
     its input: the buffer goes back to a pool for the next collective)."""

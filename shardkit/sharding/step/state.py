@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, cast
+from typing import Any, Iterable, cast
 
 import torch
 
 from ...backend import Backend
 from ...handles import Group
 from .buffers import BufferPool
-from .collectives import PendingReduce
+from .comms import CrossGroupReduce, PendingReduce
 from .traffic import CommStats
 from ..policies import ShardConfig
 from .trace import trace_range
 from .unit import ShardUnit
-
-
-class CrossGroupReduce(Protocol):
-    """The mean across replica groups that are not part of this job (fault tolerance)."""
-
-    def all_reduce_mean(self, tensor: torch.Tensor) -> int:
-        """Average `tensor` in place over the groups taking part; return their number."""
 
 
 class ShardState:
@@ -40,6 +33,10 @@ class ShardState:
         # Under fault_tolerance=: the all-reduce across replica groups (a torchft Manager,
         # fault_tolerance/cross_groups.py); None otherwise.
         self.cross_groups: CrossGroupReduce | None = None
+        # A user's all-gather / reduce-scatter (model.set_custom_all_gather / _reduce_scatter,
+        # FSDP2's interface), which every unit's collectives use instead of the built-in.
+        self.custom_all_gather: Any = None
+        self.custom_reduce_scatter: Any = None
         self.config = config
         caps = backend.capabilities
         self.async_collectives = caps.async_collectives

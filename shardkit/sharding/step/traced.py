@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from ...errors import ShardkitError
 from .casts import cast_inputs
 from .state import state_of
-from .collectives import gather_full, pack_grads, reduced_row, row_sizes, start_reduce_scatter
+from .collectives import row_sizes
 from .whole_view import local_rows_of
 
 if TYPE_CHECKING:
@@ -100,13 +100,11 @@ def _unit(key: str) -> "ShardUnit":
 def gather_unit(shards: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     """All-gather a unit's parameters: full tensors in compute dtype, in the unit's order."""
     unit = _unit(key)
-    st = unit.state
     # `shards` are the unit's sharded parameters themselves (passed so autograd ties the
     # gradients to them); the helpers read the same tensors through the unit's buckets.
     full: dict[int, torch.Tensor] = {}
     for bucket in unit.gather_buckets:
-        gathered = gather_full(bucket.params, bucket.dtype, st.device, st.shard_group, st.backend,
-                               st.stats, quantize_block=unit.weight_block)
+        gathered = unit.collectives.gather_full(bucket.params, bucket.dtype)
         full.update((id(p), t) for p, t in zip(bucket.params, gathered))
     return [full[id(p)] for p in unit.params]
 
@@ -134,13 +132,9 @@ def reduce_unit(grads: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     by_param = dict(zip(map(id, trainable), grads))
     out: dict[int, torch.Tensor] = {}
     for bucket in unit.reduce_buckets:
-        plan = unit.reduce_plans[bucket.dtype]
-        inp = pack_grads(bucket.params, [by_param[id(p)] for p in bucket.params], bucket.dtype,
-                         st.device, st.shard_group.size, plan.pre_divide)
-        pending = start_reduce_scatter(bucket.params, inp, st.device, st.shard_group, st.backend,
-                                       st.stats, plan, quantize_block=unit.grad_block,
-                                       node_hops=st.node_hops)
-        row = reduced_row(pending, st.replica_group, st.backend, st.stats, st.cross_groups)
+        pending = unit.collectives.start_reduce(
+            bucket.params, [by_param[id(p)] for p in bucket.params], bucket.dtype, in_graph=True)
+        row = unit.collectives.reduced_row(pending)
         for p, grad in zip(bucket.params, torch.split(row, row_sizes(bucket.params))):
             # Copies: a custom op's outputs may not alias one another (they would share the row).
             out[id(p)] = p.user_rows(grad.view(p.shard_shape)).to(p.master_dtype, copy=True)

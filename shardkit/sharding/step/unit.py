@@ -11,10 +11,10 @@ from typing_extensions import override
 from ...backend import Backend
 from ...handles import Group
 from .buckets import Bucket, collective_buckets
-from .collectives import (PendingGather, PendingReduce, copy_out, finish_reduce, grad_as_input, pack_grads, start_all_gather, start_reduce_scatter)
+from .collectives import copy_out
+from .comms import PendingGather, PendingReduce, UnitCollectives, choose
 from .lifecycle import (SHARDED_MOVES, TRAINING_MOVES, ShardedState, TrainingState, advance)
 from .param import ShardedParam
-from .reduce_ops import reduce_plan
 from .buffers import BufferPool
 from ..policies import ShardConfig
 from .trace import trace_range
@@ -30,8 +30,10 @@ class UnitRuntime(Protocol):
     config: ShardConfig
     shard_group: Group
     replica_group: Group | None
-    node_hops: tuple[Group, Group] | None
+    node_hops: tuple[Group, Group] | None  # a shard group's two hops across nodes, or None
     cross_groups: Any  # the all-reduce across fault-tolerant replica groups, or None
+    custom_all_gather: Any  # a user's comms (model.set_custom_all_gather / _reduce_scatter)
+    custom_reduce_scatter: Any
     pool: BufferPool
     stats: CommStats
     gather_stream: Any
@@ -64,17 +66,9 @@ class ShardUnit:
         trainable = [p for p in params if p.requires_grad]
         self.reduce_buckets = collective_buckets(
             trainable, lambda p: state.config.reduce_dtype(p.master_dtype), direct)
-        # Fixed for the model's life (backend, dtypes, group sizes): decided once, not per step,
-        # since a backend may consult its library version to answer.
-        self.reduce_plans = {
-            b.dtype: reduce_plan(state.backend.exact_reduce_ops_for(b.dtype), b.dtype,
-                                 state.shard_group.size, state.dp_size // state.shard_group.size)
-            for b in self.reduce_buckets}
-        # Block sizes of the quantized collectives (Quantization), 0 where exact. The 1/k slices
-        # re-gathered in backward stay exact: they are already the decoded values.
-        quant = state.config.quantization
-        self.weight_block = quant.block_size if quant.weights else 0
-        self.grad_block = quant.block_size if quant.gradients else 0
+        # How this unit's gathers and reductions move their bytes (exact, int8 blocks, in two
+        # hops, a user's own): chosen here, once; the step code below never asks which.
+        self.collectives: UnitCollectives = self.choose_collectives()
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.pending: list[tuple[list[ShardedParam], PendingGather]] = []
@@ -99,6 +93,17 @@ class ShardUnit:
         self.trace_names = {k: f"shardkit::{k}[{self.name}]"
                             for k in ("pre_forward", "post_forward", "pre_backward",
                                       "post_backward", "unshard", "wait_unshard", "reduce")}
+
+    def choose_collectives(self) -> UnitCollectives:
+        """This unit's collective strategies from the model's settings (and a user's comms)."""
+        st = self.state
+        quant = st.config.quantization
+        chosen = choose(st, quant.block_size if quant.weights else 0,
+                        quant.block_size if quant.gradients else 0, st.node_hops,
+                        st.custom_all_gather, st.custom_reduce_scatter)
+        for bucket in self.reduce_buckets:
+            chosen.plan(bucket.dtype)  # decided once, before the first step
+        return chosen
 
     @override
     def __repr__(self) -> str:
@@ -171,11 +176,8 @@ class ShardUnit:
                 if bucket.direct:
                     bucket.params[0].alloc_unsharded()
                     into = bucket.params[0].unsharded_flat
-                pending = start_all_gather(bucket.params, bucket.dtype, st.device, group,
-                                           st.backend, st.stats, async_op=async_op,
-                                           stream=st.gather_stream, pool=st.pool,
-                                           source=rows.get(i), into=into,
-                                           quantize_block=0 if rows else self.weight_block)
+                pending = self.collectives.start_gather(bucket.params, bucket.dtype, group,
+                                                        async_op, source=rows.get(i), into=into)
                 self.pending.append((bucket.params, pending))
         self._move(ShardedState.GATHERING)
 
@@ -235,7 +237,7 @@ class ShardUnit:
                 for p in params:
                     p.free_unsharded()
             else:
-                self.state.pool.give(pending.output)
+                self.collectives.release(pending)
         self.pending = []
         if self.is_unsharded:
             if self.state.needs_compiler_barrier:
@@ -261,7 +263,7 @@ class ShardUnit:
                     p.alloc_unsharded()
                 copy_out(params, pending.output, [p.unsharded_flat for p in params],
                          self.gathered_over)
-                st.pool.give(pending.output)
+                self.collectives.release(pending)
         self.pending = []
         if st.needs_compiler_barrier:
             st.backend.compiler_barrier([p.unsharded for p in self.params])
@@ -273,27 +275,12 @@ class ShardUnit:
             return [self._reduce_bucket(bucket) for bucket in self.reduce_buckets]
 
     def _reduce_bucket(self, bucket: Bucket[ShardedParam]) -> PendingReduce:
-        st = self.state
-        params, dtype, group_size = bucket.params, bucket.dtype, st.shard_group.size
-        plan = self.reduce_plans[dtype]  # exact AVG / PREMUL_SUM, else SUM + divide
-        grads = [p.take_unsharded_grad() for p in params]
-        inp = (grad_as_input(params[0], grads[0], dtype, group_size, plan.pre_divide)
-               if bucket.direct else None)
-        pooled = inp is None
-        if inp is None:
-            inp = pack_grads(params, grads, dtype, st.device, group_size, plan.pre_divide,
-                             st.pool)
-        # The full-size grads are dead once packed: free them before the collective runs (it
-        # may allocate its own temporaries).
-        del grads
-        return start_reduce_scatter(params, inp, st.device, st.shard_group, st.backend,
-                                    st.stats, plan, stream=st.reduce_stream, pooled=pooled,
-                                    quantize_block=self.grad_block, node_hops=st.node_hops)
+        grads = [p.take_unsharded_grad() for p in bucket.params]  # emptied once packed
+        return self.collectives.start_reduce(bucket.params, grads, bucket.dtype, bucket.direct)
 
     def finish(self, pending: PendingReduce) -> None:
         """Complete one of this unit's reductions into the sharded grads."""
-        finish_reduce(pending, self.state.replica_group, self.state.backend, self.state.stats,
-                      self.state.pool, self.state.cross_groups)
+        self.collectives.finish_reduce(pending)
 
     # ---- buffers under MixedPrecision.buffer_dtype --------------------------------------------
     def cast_buffers(self, dtype: torch.dtype) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ...errors import ShardkitError
+from ..step.comms import check_custom_comm
 from ..step.state import ShardState
 from ..step.unit import ShardUnit
 
@@ -82,6 +83,34 @@ class ShardedModule:
         """
         state = get_state(self)
         _find_unit(state, unit).backward_prefetch = _find_units(state, prefetch)
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Run every unit's parameter all-gather through `comm` (FSDP2's AllGather); None: the built-in.
+
+        `comm` is what torch's `fully_shard` module takes in `set_custom_all_gather`: an object
+        with `allocate(size, *, dtype, device) -> Tensor` (the gathered output's buffer) and
+        `__call__(output_tensor, input_tensor, group, async_op=False) -> Work | None`, given
+        torch's ProcessGroup; `input_tensor` is this rank's row of `output_tensor`. It is called
+        exactly where the built-in all-gather would be (the same bytes, on the gather stream,
+        async where that was), for the shard group and the k-rank groups of
+        reshard_after_forward=k; a one-rank group copies locally without it. Saving and
+        state_dict() keep the built-in gather (exact values). Call between steps.
+        """
+        _set_custom_comm(get_state(self), "all_gather", comm)
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Run every unit's gradient reduce-scatter through `comm` (FSDP2's ReduceScatter); None: the built-in.
+
+        `comm` has `allocate(size, *, dtype, device) -> Tensor` (the packed input's and the
+        reduced row's buffers) and `__call__(output_tensor, input_tensor, group, op,
+        async_op=False) -> Work | None`, given torch's ProcessGroup and always
+        `torch.distributed.ReduceOp.SUM`: the engine divides around it (the mean over the
+        data-parallel ranks), so a comm only has to sum. It is called exactly where the built-in
+        reduce-scatter would be (the same bytes, asked async_op=True so the reduction overlaps
+        the next unit's backward); HYBRID_SHARD's all-reduce across replicas and fault
+        tolerance's cross-group mean follow it as before. Call between steps.
+        """
+        _set_custom_comm(get_state(self), "reduce_scatter", comm)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """Refuse a dtype or device change of the shards (model.to(torch.bfloat16), .half(), .cpu()).
@@ -153,6 +182,35 @@ class ShardedModule:
                         for p in unit.params:
                             p.load_full(p.unsharded.detach().to(p.master_dtype))
                     unit.to_sharded()
+
+
+def _set_custom_comm(state: ShardState, kind: str, comm: Any) -> None:
+    """Check that `comm` can serve this model's `kind` collectives, then give every unit its strategies."""
+    setter = f"set_custom_{kind}"
+    if comm is not None:
+        check_custom_comm(comm, kind.replace("_", "-"), takes_op=kind == "reduce_scatter")
+        backend = state.backend
+        if not backend.capabilities.torch_process_group:
+            raise ShardkitError(
+                f"{setter}() needs collectives on torch process groups (the comm is called with "
+                f"a torch.distributed ProcessGroup), and backend {backend.name!r} does not run "
+                "them (Capabilities.torch_process_group is False). HINT: keep the built-in "
+                "collectives on this backend")
+        quant = state.config.quantization
+        if quant.weights if kind == "all_gather" else quant.gradients:
+            what = "weights" if kind == "all_gather" else "gradients"
+            raise ShardkitError(
+                f"{setter}() on a model sharded with Quantization({what}=True): the quantized "
+                f"{kind.replace('_', '-')} is itself the collective a custom one would replace. "
+                f"HINT: shard with Quantization({what}=False) to run your own comm, or drop it")
+    if state.reductions or any(u.in_flight or u.needs_post_backward for u in state.units):
+        raise ShardkitError(
+            f"{setter}() during a step (a gather or a backward's reduction is in flight): the "
+            "unit's collectives would change halfway. HINT: call it between steps (after "
+            "optimizer.step(), or before the first forward)")
+    setattr(state, f"custom_{kind}", comm)
+    for unit in state.units:
+        unit.collectives = unit.choose_collectives()
 
 
 def _find_unit(state: ShardState, key: object) -> ShardUnit:

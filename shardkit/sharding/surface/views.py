@@ -33,7 +33,7 @@ from torch import nn
 
 from ...errors import ShardkitError
 from ...handles import Group
-from ..step.collectives import gather_full
+from ..step.comms import gather_exact
 from .module_api import get_state
 from ..step.param import ShardedParam
 
@@ -83,8 +83,8 @@ def iter_unit_full_params(module: nn.Module) -> Iterator[tuple[list[str], dict[s
         for sp in unit.params:
             by_dtype.setdefault(sp.master_dtype, []).append(sp)
         for dtype, params in by_dtype.items():
-            for sp, full in zip(params, gather_full(params, dtype, state.device, state.shard_group,
-                                                    state.backend, state.stats)):
+            for sp, full in zip(params, gather_exact(params, dtype, state.shard_group,
+                                                     state.backend, state.device, state.stats)):
                 for fqn in sp.fqns:
                     fulls[fqn] = full
         fqns = [fqn for sp in unit.params for fqn in sp.fqns]
