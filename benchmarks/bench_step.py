@@ -48,7 +48,11 @@ SHARDKIT_MODES = {
     "shardkit-grad-op-noprefetch": ("SHARD_GRAD_OP", 0, None),
     "shardkit-no-shard": ("NO_SHARD", 1, None), "shardkit-no-shard-noprefetch": ("NO_SHARD", 0, None),
     "shardkit-hybrid": ("HYBRID_SHARD", 1, None), "shardkit-hybrid-noprefetch": ("HYBRID_SHARD", 0, None),
+    # shardkit.Quantization(weights=True, gradients=True): int8 gathers and reductions (HYBRID:
+    # the reduction's all-reduce across replicas too).
+    "shardkit-full-quantized": ("FULL_SHARD", 1, None), "shardkit-hybrid-quantized": ("HYBRID_SHARD", 1, None),
 }
+QUANTIZED_MODES = ("shardkit-full-quantized", "shardkit-hybrid-quantized")
 TORCH_MODES = ("fsdp2", "fsdp1", "ddp", "single")
 ALL_MODES = tuple(SHARDKIT_MODES) + TORCH_MODES
 # (layers, width, heads, vocabulary, context) of the GPT models.
@@ -108,6 +112,8 @@ def wrap(model: nn.Module, mode: str, ctx, unit_classes: tuple, dtype: torch.dty
         import shardkit
 
         strategy, prefetch, root = SHARDKIT_MODES[mode]
+        if mode in QUANTIZED_MODES and quantize is None:
+            quantize = shardkit.Quantization(weights=True, gradients=True)
         kwargs: dict = {"hybrid_group_size": max(1, ctx.world_size // 2)} if strategy == "HYBRID_SHARD" else {}
         if root is not None:
             kwargs["reshard_after_forward"] = {"<root>": root}

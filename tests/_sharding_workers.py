@@ -404,7 +404,7 @@ def direct_buckets(model) -> int:
 
 def _grads_reduced_in_place(rank: int, world: int) -> int:
     """How many gradients one FULL_SHARD step reduced as their own collective input (no packing)."""
-    from shardkit.sharding.step import unit as unit_module
+    from shardkit.sharding.step import comms as unit_module  # where a unit's reduction starts
 
     real, used = unit_module.grad_as_input, []
 

@@ -253,10 +253,22 @@ def test_an_error_every_rank_raises_prints_once_then_the_summary_with_its_text(d
     if debug:  # every rank's, with shardkit's frames
         assert tracebacks == 3 and "policies.py" in out, out
         return
-    assert tracebacks == 1 and out.count(error) == 2, out  # the traceback's and the summary's
-    assert "policies.py" not in out and "closing signal" not in out, out
     before = out[:out.index("shardkit launch: train.py failed")].splitlines()
-    assert len(before) <= 8, out  # the threads line, the user's frame, the error, the note
+    # A rank still on its way to the same mistake when a peer posted its own (a slow start
+    # under load: 1 run in 10 beside two busy cores) reports that peer in one line instead: it
+    # cannot know it would have made the same mistake. It then waits for the peers that raised
+    # to exit first, so the launcher names one of them the root cause, and nobody's report is
+    # cut short by the launcher's SIGTERM ("was terminated").
+    survivors = [line for line in before if "stops too" in line]
+    assert all(line.startswith("shardkit: rank ") and f"raised ShardkitError: {error}" in line
+               for line in survivors), out
+    assert "stops too" not in summary[1] and "was terminated" not in out, out
+    said = out.count(error) - sum(line.count(error) for line in survivors)
+    assert tracebacks == 1 and said == 2, out  # the traceback's and the summary's
+    assert "policies.py" not in out and "closing signal" not in out, out
+    # The threads line, the user's frame, the error, the note (and any such survivor's line).
+    assert len(before) <= 8 + len(survivors), out
+    print(f"ranks that reported a peer's same error: {len(survivors)}")
     assert not list(Path(tempfile.gettempdir()).glob(f"shardkit-errors-{proc.pid}-*"))
 
 

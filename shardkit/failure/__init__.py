@@ -246,8 +246,11 @@ def raised_in_a_collective(exc: BaseException) -> bool:
     return False
 
 
-def on_exception(exc: BaseException) -> BaseException:
+def on_exception(exc: BaseException, printed: bool = False) -> BaseException:
     """Report an exception that ends this rank; return the exception the rank should end with.
+
+    `printed`: its traceback is out already (this rank's, or the same error's from another rank
+    of the node: same_error), so nothing more needs saying if the launcher stops this rank now.
 
     A collective that failed because a peer died becomes a PeerFailedError naming that peer and
     where this rank was. Any other exception is this rank's own failure: it is posted so every
@@ -285,8 +288,18 @@ def on_exception(exc: BaseException) -> BaseException:
         return ShardkitError(message)
     if wd.claim_report():
         launcher_record.record(_headline(exc), _formatted(exc), failed_here=True)
+        if printed:
+            # The traceback is the report: a SIGTERM from the launcher while post() waits for
+            # the peers must not add a "was terminated" one.
+            wd.report_written.set()
         wd.post(f"raised {type(exc).__name__}: {exc} (in {where.describe()})")
         wd.report_written.set()  # its own traceback is the report
+    else:
+        # The watchdog thread reported a peer's failure a moment before this rank raised (the
+        # same error, when every rank makes it): it ends this rank once the peers that posted
+        # have exited. Leaving now would make this rank the first to exit, which a launcher
+        # names the root cause.
+        wd.await_own_exit()
     return exc
 
 
@@ -407,4 +420,4 @@ def _report_uncaught(tp: type, value: BaseException, tb: Any) -> None:
         hook(tp, value, tb if debugging() else _callers_frames(value, tb))
     if _watchdog is None:  # raised before the job began (init()): the launcher's summary says it
         launcher_record.record(_headline(value), _formatted(value), failed_here=True)
-    on_exception(value)
+    on_exception(value, printed=True)
