@@ -44,7 +44,11 @@ class GatherComm:
             self.stats.all_gather(row.numel() * row.element_size(), group.size,
                                   self.stats.crosses_node(group))
         with trace_range("shardkit::all_gather"):
-            return self.backend.all_gather_into_tensor(output, row, group, async_op=async_op), None
+            return self.call(output, row, group, async_op), None
+
+    def call(self, output: torch.Tensor, row: torch.Tensor, group: Group, async_op: bool) -> Work:
+        """The collective itself: the backend's all-gather."""
+        return self.backend.all_gather_into_tensor(output, row, group, async_op=async_op)
 
 
 class QuantizedGather(GatherComm):
@@ -100,18 +104,12 @@ class CustomGather(GatherComm):
         return self.comm.allocate((numel,), dtype=dtype, device=device), False
 
     @override
-    def launch(self, output: torch.Tensor, row: torch.Tensor, group: Group,
-               async_op: bool) -> tuple[Work, Finish | None]:
-        """Call the user's comm with torch's process group (the bytes counted as the built-in's)."""
+    def call(self, output: torch.Tensor, row: torch.Tensor, group: Group, async_op: bool) -> Work:
+        """The user's comm, given torch's process group (the bytes are counted as the built-in's)."""
         if group.size <= 1:
-            return super().launch(output, row, group, async_op)
-        if self.stats is not None:
-            self.stats.all_gather(row.numel() * row.element_size(), group.size,
-                                  self.stats.crosses_node(group))
-        with trace_range("shardkit::all_gather"):
-            work = self.comm(output_tensor=output, input_tensor=row, group=group.handle,
-                             async_op=async_op)
-        return TorchWork(work), None
+            return super().call(output, row, group, async_op)
+        return TorchWork(self.comm(output_tensor=output, input_tensor=row, group=group.handle,
+                                   async_op=async_op))
 
 
 @dataclass

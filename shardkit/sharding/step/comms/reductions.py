@@ -64,9 +64,14 @@ class ScatterComm:
             self.stats.reduce_scatter(output.numel() * output.element_size(), group.size,
                                       self.stats.crosses_node(group))
         with trace_range("shardkit::reduce_scatter"):
-            return self.backend.reduce_scatter_tensor(
-                output, rows.view(-1), group, op=plan.scatter_op, async_op=True,
-                **factor_kwargs(plan.scatter_factor)), None
+            return self.call(output, rows.view(-1), group, plan), None
+
+    def call(self, output: torch.Tensor, flat: torch.Tensor, group: Group,
+             plan: ReducePlan) -> Work:
+        """The collective itself: the backend's reduce-scatter with the plan's op, async."""
+        return self.backend.reduce_scatter_tensor(output, flat, group, op=plan.scatter_op,
+                                                  async_op=True,
+                                                  **factor_kwargs(plan.scatter_factor))
 
 
 class QuantizedScatter(ScatterComm):
@@ -162,18 +167,14 @@ class CustomScatter(ScatterComm):
         return self.comm.allocate((numel,), dtype=dtype, device=device)
 
     @override
-    def launch(self, output: torch.Tensor, rows: torch.Tensor, group: Group,
-               plan: ReducePlan) -> tuple[Work, Finish | None]:
-        """Call the user's comm with torch's process group and SUM, asynchronously where it can."""
+    def call(self, output: torch.Tensor, flat: torch.Tensor, group: Group,
+             plan: ReducePlan) -> Work:
+        """The user's comm, given torch's process group and SUM, asked async (the plan of a
+        custom scatter is SUM: exact_ops)."""
         if group.size <= 1:
-            return super().launch(output, rows, group, plan)
-        if self.stats is not None:
-            self.stats.reduce_scatter(output.numel() * output.element_size(), group.size,
-                                      self.stats.crosses_node(group))
-        with trace_range("shardkit::reduce_scatter"):
-            work = self.comm(output_tensor=output, input_tensor=rows.view(-1), group=group.handle,
-                             op=self.backend.torch_reduce_op(ReduceOp.SUM), async_op=True)
-        return TorchWork(work), None
+            return super().call(output, flat, group, plan)
+        return TorchWork(self.comm(output_tensor=output, input_tensor=flat, group=group.handle,
+                                   op=self.backend.torch_reduce_op(ReduceOp.SUM), async_op=True))
 
 
 @dataclass
