@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable
 
 import torch
 
-from ..sharding.surface.views import iter_unit_full_params, load_full_param_
+from ..sharding.surface.views import iter_unit_full_params, load_param_rows_
 from . import collective, manifest as mf
 from .entries import model_entries
 from .errors import CheckpointError
@@ -104,11 +105,12 @@ def _cast_dtype(current: torch.dtype, wanted: torch.dtype | None) -> torch.dtype
 def load_full_state_dict(model: torch.nn.Module, source: Any, strict: bool = True) -> None:
     """Load a full state dict (dict, safetensors file/dir, or weights-only torch file); each rank keeps its slices.
 
-    No communication: every rank reads each tensor from `source` and copies only its own slice.
+    No communication: every rank reads from `source` only its own rows of each parameter (a
+    slice of a safetensors file, a meta-initialised model included), and buffers whole.
     """
     from .sharded import compare_entries
 
-    shapes, get = read_full_source(source)
+    shapes, read = read_full_source(source)
     entries = model_entries(model)
     expected = {e.name: e.shape for e in entries}
     compare_entries(f"full state dict {_describe(source)}", expected, shapes, strict)
@@ -116,12 +118,11 @@ def load_full_state_dict(model: torch.nn.Module, source: Any, strict: bool = Tru
         for e in entries:
             if e.name not in shapes:
                 continue
-            tensor = get(e.name)
             if e.view is not None:
-                load_full_param_(model, e.name, tensor)
+                load_param_rows_(model, e.name, functools.partial(read, e.name))
             else:
                 assert e.buffer is not None  # an Entry is a parameter or a buffer
-                e.buffer.copy_(tensor)
+                e.buffer.copy_(read(e.name, None))
 
 
 def _describe(source: Any) -> str:

@@ -147,10 +147,19 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
     return n
 
 
-def read_full_source(source: Any) -> tuple[dict[str, tuple], Callable[[str], torch.Tensor]]:
-    """Open a full state dict (dict, safetensors file or dir, torch file): (name -> shape, get(name))."""
+# Reads a full tensor's dim-0 rows [start, stop) by name; (name, None) reads the whole tensor.
+RowReader = Callable[[str, "tuple[int, int] | None"], torch.Tensor]
+
+
+def read_full_source(source: Any) -> tuple[dict[str, tuple], RowReader]:
+    """Open a full state dict (dict, safetensors file or dir, torch file): (name -> shape, read).
+
+    `read(name, (start, stop))` returns only those rows of dim 0: from safetensors files only
+    their bytes are read (a slice of the file), from a torch file mapped into memory only their
+    pages; `read(name, None)` returns the whole tensor.
+    """
     if isinstance(source, dict):
-        return {k: tuple(v.shape) for k, v in source.items()}, source.__getitem__
+        return {k: tuple(v.shape) for k, v in source.items()}, _rows_of_mapping(source)
     path = os.fspath(source)
     if os.path.isdir(path):
         index = os.path.join(path, INDEX_FILE)
@@ -171,10 +180,17 @@ def read_full_source(source: Any) -> tuple[dict[str, tuple], Callable[[str], tor
         raise CheckpointError(f"{path}: cannot load as a weights-only torch state dict ({exc})") from exc
     if not isinstance(sd, dict):
         raise CheckpointError(f"{path}: holds a {type(sd).__name__}, not a state dict")
-    return {k: tuple(v.shape) for k, v in sd.items()}, sd.__getitem__
+    return {k: tuple(v.shape) for k, v in sd.items()}, _rows_of_mapping(sd)
 
 
-def _open_safetensors(paths: list[str]):
+def _rows_of_mapping(tensors: dict) -> RowReader:
+    def read(name: str, span: tuple[int, int] | None) -> torch.Tensor:
+        tensor = tensors[name]
+        return tensor if span is None else tensor[span[0]:span[1]]
+    return read
+
+
+def _open_safetensors(paths: list[str]) -> tuple[dict[str, tuple], RowReader]:
     from safetensors import safe_open
 
     handles, shapes = {}, {}
@@ -186,4 +202,9 @@ def _open_safetensors(paths: list[str]):
                 shapes[k] = tuple(h.get_slice(k).get_shape())
         except Exception as exc:
             raise CheckpointError(f"{p}: not a readable safetensors file ({exc})") from exc
-    return shapes, lambda name: handles[name].get_tensor(name)
+
+    def read(name: str, span: tuple[int, int] | None) -> torch.Tensor:
+        if span is None:
+            return handles[name].get_tensor(name)
+        return handles[name].get_slice(name)[span[0]:span[1]]
+    return shapes, read

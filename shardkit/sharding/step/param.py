@@ -52,7 +52,8 @@ class ShardedParam:
         self.offset = shard_group.rank * self.shard_numel
         self.valid_numel = max(0, min(self.shard_numel, self.numel - self.offset))
         rows = self.full_shape[0] if self.full_shape else 1
-        self.valid_rows = max(0, min(layout.rows_per_rank, rows - shard_group.rank * layout.rows_per_rank))
+        self.first_row = shard_group.rank * layout.rows_per_rank  # of the full tensor's dim 0
+        self.valid_rows = max(0, min(layout.rows_per_rank, rows - self.first_row))
         self.mesh = mesh
         self._placements = placements(mesh, len(self.full_shape)) if mesh is not None else ()
         self._specs: dict[torch.dtype, Any] = {}  # the DTensorSpec per dtype (state may differ)
@@ -133,6 +134,32 @@ class ShardedParam:
                                 f"tensor given has shape {tuple(full.shape)}")
         with torch.no_grad():
             self._copy_mine(full, self.local)  # the parameter's rows are views of it
+
+    def row_span(self) -> tuple[int, int] | None:
+        """The rows [start, stop) of the full tensor's dim 0 this rank holds; None: the whole
+        tensor (a 0-d parameter, which every rank of a mesh holds)."""
+        if not self.full_shape:
+            return None
+        return self.first_row, self.first_row + self.valid_rows
+
+    def load_rows(self, rows: torch.Tensor) -> None:
+        """Copy this rank's rows (row_span() of the full tensor, read alone) into the shard in
+        place; padding becomes zero."""
+        span = self.row_span()
+        if span is None:
+            self.load_full(rows)
+            return
+        expected = (span[1] - span[0], *self.full_shape[1:])
+        if tuple(rows.shape) != expected:
+            from ...errors import ShardkitError
+
+            raise ShardkitError(f"parameter {self.fqn!r}: rows {span[0]}:{span[1]} of shape "
+                                f"{expected} expected, got {tuple(rows.shape)}")
+        with torch.no_grad():
+            flat = self.local.view(-1)
+            flat.zero_()
+            if self.valid_numel:
+                flat[:self.valid_numel].copy_(rows.detach().reshape(-1))
 
     def rows_of(self, full: torch.Tensor, device: torch.device) -> torch.Tensor:
         """This rank's rows of a full tensor, shaped like the shard with zero padding rows (a new tensor)."""

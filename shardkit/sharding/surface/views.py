@@ -18,7 +18,9 @@ internals can change without touching checkpoint code:
 - ``iter_unit_full_params(model)``: collective; yields ``(fqns, {fqn: full tensor})`` one unit at
   a time, in master dtype; a unit's tensors are freed when the iterator advances.
 - ``load_full_param_(model, fqn, full)``: copies this rank's slice of a full tensor into the shard,
-  no communication; refuses a name that is not a sharded parameter.
+  no communication; refuses a name that is not a sharded parameter. ``load_param_rows_(model,
+  fqn, read)`` does the same reading only this rank's rows (``read((start, stop))``: a file
+  slice), so a rank never holds more of a large tensor than its own rows.
 - ``sharding_info(model)``: ``world_size``, ``strategy``, ``shard_group_size``,
   ``replica_group_size``, recorded in checkpoint manifests.
 """
@@ -94,11 +96,23 @@ def iter_unit_full_params(module: nn.Module) -> Iterator[tuple[list[str], dict[s
 
 def load_full_param_(module: nn.Module, fqn: str, full: torch.Tensor) -> None:
     """Copy this rank's slice of a full tensor into the sharded parameter in place (no communication)."""
+    _sharded_param(module, fqn).load_full(full.detach())
+
+
+def load_param_rows_(module: nn.Module, fqn: str,
+                     read: Callable[[tuple[int, int] | None], torch.Tensor]) -> None:
+    """Fill the sharded parameter with this rank's rows of a full tensor, asking `read` for just
+    those rows (`read(None)`: the whole tensor, for a 0-d parameter); no communication."""
+    sp = _sharded_param(module, fqn)
+    sp.load_rows(read(sp.row_span()))
+
+
+def _sharded_param(module: nn.Module, fqn: str) -> ShardedParam:
     sp = get_state(module).params_by_fqn().get(fqn)
     if sp is None:
         raise ShardkitError(f"{fqn!r} is not a sharded parameter of this model; HINT: names are "
                             "those of the original model's state_dict() (buffers are not sharded)")
-    sp.load_full(full.detach())
+    return sp
 
 
 def sharding_info(module: nn.Module) -> dict:
