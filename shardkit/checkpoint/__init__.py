@@ -7,6 +7,15 @@ complete checkpoints in a directory, for a restarted job to resume from (``lates
 verify=True)`` skips damaged ones); ``full_state_dict`` and ``export`` gather unit by unit;
 ``load_full_state_dict`` loads full weights into a sharded model; ``consolidate``, ``inspect``
 (``inspect_checkpoint``) and ``read_extra`` work offline.
+
+Layout: sharded (``save`` / ``load``), background (the writer thread of ``background=True``),
+dcp_io (DCP I/O, one flat chunk per rank and tensor) and host_io (the same files written and read
+without a process group), manifest (the manifest written last, checksums, crash-safe replacement),
+entries (what a model and its optimizer contribute, named like state_dict()), collective (the
+few collectives checkpointing needs), resume (``latest``), full (full state dicts, ``export``,
+``load_full_state_dict``) and safetensors_io (the safetensors files and their index; a rank reads
+only its rows), offline and cli (``consolidate`` / ``inspect`` without a job), disk_full (a full
+disk named as one), errors.
 """
 
 from importlib import import_module

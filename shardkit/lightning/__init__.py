@@ -1,4 +1,9 @@
-"""shardkit as a Lightning strategy: `Trainer(strategy="shardkit")`, `Fabric(strategy="shardkit")` (the lightning extra)."""
+"""shardkit as a Lightning strategy: `Trainer(strategy="shardkit")`, `Fabric(strategy="shardkit")` (the lightning extra).
+
+Layout: strategy (the Trainer's ``ShardkitStrategy``), fabric (``ShardkitFabricStrategy``), common
+(what both share: options, joining the job, sharding a module), precision (Lightning's precision
+flags as shardkit settings, clipping across shards), registration ("shardkit" in Lightning's
+registries when Lightning is imported, without importing it)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ optimizer training two steps on a meta copy, under a backend that moves no bytes
 rehearsed step as a timeline affine in the batch), workload (rehearsals kept per configuration),
 fit (the largest batch / fewest ranks in a memory budget), measure (`--measure`: the planned
 step trained here, planned vs measured), nodes (bytes across nodes), steptime, scale and
-compute_times (step time at scale), cli (`shardkit plan`).
+compute_times (step time at scale), recovery (what a rank recovering under fault tolerance
+receives), cli (`shardkit plan`).
 """
 from importlib import import_module
 from typing import TYPE_CHECKING, Any

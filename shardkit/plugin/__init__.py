@@ -1,4 +1,7 @@
-"""Plugin machinery: pluggy hookspecs, the backend registry, and entry-point discovery."""
+"""Plugin machinery: pluggy hookspecs, the backend registry, and entry-point discovery.
+
+Layout: spec (the hooks a plugin may implement), registry (the object handed to
+``shardkit_register_backends``), manager (entry-point discovery, failures kept for selection)."""
 
 from .spec import hookimpl, hookspec
 from .registry import BackendRegistry
