@@ -504,4 +504,6 @@ def test_a_lighthouse_not_running_at_start_is_named_within_the_connect_timeout(t
     assert f"could not start torchft's Manager: it reaches the torchft lighthouse at {address}, " \
            "which did not answer within connect_timeout_s=2" in message, message
     assert "HINT: start the lighthouse first" in message
-    assert float(seconds) < 5, seconds  # within quorum_timeout_s (2 s, and the Manager's start)
+    # Within connect_timeout_s (2 s) and the Manager's start, not torchft's own 60 s default:
+    # 3-4 s alone on this 2-core VM, 6.5 s once beside other jobs, so the bound sits between.
+    assert float(seconds) < 30, seconds
