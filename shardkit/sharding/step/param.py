@@ -156,10 +156,7 @@ class ShardedParam:
             raise ShardkitError(f"parameter {self.fqn!r}: rows {span[0]}:{span[1]} of shape "
                                 f"{expected} expected, got {tuple(rows.shape)}")
         with torch.no_grad():
-            flat = self.local.view(-1)
-            flat.zero_()
-            if self.valid_numel:
-                flat[:self.valid_numel].copy_(rows.detach().reshape(-1))
+            _fill(self.local, rows.detach().reshape(-1))
 
     def rows_of(self, full: torch.Tensor, device: torch.device) -> torch.Tensor:
         """This rank's rows of a full tensor, shaped like the shard with zero padding rows (a new tensor)."""
@@ -169,13 +166,9 @@ class ShardedParam:
 
     def _copy_mine(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """Fill a shard-shaped tensor with this rank's elements of `full`; padding becomes zero."""
-        flat = shard.view(-1)
-        flat.zero_()
-        if self.replicated_scalar:
-            flat.copy_(full.detach().reshape(-1))
-        elif self.valid_numel:
-            flat[:self.valid_numel].copy_(
-                full.detach().reshape(-1)[self.offset:self.offset + self.valid_numel])
+        flat = full.detach().reshape(-1)
+        _fill(shard, flat if self.replicated_scalar
+              else flat[self.offset:self.offset + self.valid_numel])
 
     def accumulate_grad(self, grad: torch.Tensor) -> None:
         """Add a reduced flat gradient shard to the sharded parameter's .grad (creating it if absent)."""
@@ -222,3 +215,11 @@ class ShardedParam:
         param = self.unsharded if unsharded else self.sharded
         for module, name in self.owners:
             module._parameters[name] = param
+
+
+def _fill(shard: torch.Tensor, mine: torch.Tensor) -> None:
+    """Copy this rank's elements into the front of a shard-shaped tensor; the padding is zeroed."""
+    flat = shard.view(-1)
+    flat.zero_()
+    if mine.numel():
+        flat[:mine.numel()].copy_(mine)

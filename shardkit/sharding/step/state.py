@@ -62,11 +62,6 @@ class ShardState:
         self.reductions: list[tuple[ShardUnit, PendingReduce]] = []
 
     @property
-    def dp_size(self) -> int:
-        """Number of data-parallel ranks whose gradients are averaged."""
-        return self.shard_group.size * (self.replica_group.size if self.replica_group else 1)
-
-    @property
     def strategy_name(self) -> str:
         """The strategy's name, e.g. "FULL_SHARD"."""
         return self.config.strategy.name

@@ -8,43 +8,27 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from ...backend import Backend
 from ...handles import Group
 from .buckets import Bucket, collective_buckets
 from .collectives import copy_out
-from .comms import PendingGather, PendingReduce, UnitCollectives, choose
+from .comms import CommRuntime, PendingGather, PendingReduce, UnitCollectives, choose
 from .lifecycle import (SHARDED_MOVES, TRAINING_MOVES, ShardedState, TrainingState, advance)
 from .param import ShardedParam
-from .buffers import BufferPool
 from ..policies import ShardConfig
 from .trace import trace_range
-from .traffic import CommStats
 
 
-class UnitRuntime(Protocol):
+class UnitRuntime(CommRuntime, Protocol):
     """What a unit reads from its model's runtime state (state.ShardState, which owns and drives
-    the units): declared here, so the unit needs nothing from the module above it."""
+    the units), beyond what its collectives read: declared here, so the unit needs nothing from
+    the module above it."""
 
-    backend: Backend
-    device: torch.device
     config: ShardConfig
-    shard_group: Group
-    replica_group: Group | None
     node_hops: tuple[Group, Group] | None  # a shard group's two hops across nodes, or None
-    cross_groups: Any  # the all-reduce across fault-tolerant replica groups, or None
     custom_all_gather: Any  # a user's comms (model.set_custom_all_gather / _reduce_scatter)
     custom_reduce_scatter: Any
-    pool: BufferPool
-    stats: CommStats
-    gather_stream: Any
-    reduce_stream: Any
     async_collectives: bool
     needs_compiler_barrier: bool
-
-    @property
-    def dp_size(self) -> int:
-        """Number of data-parallel ranks whose gradients are averaged."""
-        ...
 
 
 class ShardUnit:

@@ -108,8 +108,9 @@ class UnitCollectives:
         """Pack the full gradients (or use a direct bucket's own) and start the reduce-scatter.
 
         Consumes `grads`: the list is emptied once packed, so the full-size gradients are freed
-        before the collective runs (it may allocate its own temporaries). `in_graph` (a compiled graph's custom op, traced.py): on the current stream, no pool (the
-        op's outputs must not share memory with what the next step reuses).
+        before the collective runs (it may allocate its own temporaries). `in_graph` (a compiled
+        graph's custom op, traced.py): on the current stream, no pool (the op's outputs must not
+        share memory with what the next step reuses).
         """
         rt, plan = self.rt, self.plan(dtype)
         size = rt.shard_group.size
