@@ -11,7 +11,9 @@
 # models), onegpu (2 and 4 ranks on the one GPU through "cuda+gloo": conformance, every strategy
 # and feature against the one-process run, block.compile(), torch's CUDA sanitizer), compile (bench_step GPT-2-medium bf16, shardkit vs
 # FSDP2, eager and inductor), lightning (Trainer: DDP vs Lightning's FSDPStrategy vs shardkit),
-# checkpoint (sync vs background save stall with pinned staging). Each part has its own time
+# checkpoint (sync vs background save stall with pinned staging), optstep (the optimizer step on
+# local tensors vs DTensor's dispatch vs plain tensors, 2 ranks on the GPU; GPT-2-medium's whole step
+# vs FSDP2 and DDP on one GPU). Each part has its own time
 # limit so one that hangs leaves the others their turn; logs go to $OUT (or /tmp/gpu-out).
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -64,6 +66,13 @@ for what in "$@"; do
     checkpoint)
         part checkpoint 90 $PY benchmarks/bench_checkpoint.py --backend cuda --nproc 1 \
             --model gpt2-small --batch 8 --seq 512 --saves 2 --interval 30 --json "$OUT/checkpoint.json" ;;
-    *) echo "unknown part $what (tests, onegpu, compile, lightning, checkpoint)"; exit 2 ;;
+    optstep)  # issue 53: the optimizer step on the GPU (host-bound), and the whole step vs peers
+        part optstep-local 200 $PY benchmarks/bench_optimizer_step.py --backend cuda+gloo --nproc 2 \
+            --models mlp104 gpt2-medium --optimizers adamw adamw-fused sgd-momentum \
+            --variants plain shardkit shardkit-dispatch --rounds 5 --steps 5
+        part optstep-whole 200 $PY benchmarks/bench_step.py --model gpt2-medium --device cuda --dtype bf16 \
+            --nproc 1 --batch 8 --seq 512 --warmup 3 --chunk 3 --steps 12 \
+            --modes shardkit-full,fsdp2,ddp --no-isolated --json "$OUT/optstep-whole.json" ;;
+    *) echo "unknown part $what (tests, onegpu, compile, lightning, checkpoint, optstep)"; exit 2 ;;
     esac
 done

@@ -39,7 +39,8 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .seeding import seeded
     from .job.selection import backend_statuses, get_backend
     from .sharding import (FaultTolerance, MixedPrecision, Quantization, ShardingStrategy,
-                           clip_grad_norm_, comm_stats, fault_tolerant_optimizer, full_shape,
+                           clip_grad_norm_, comm_stats, elementwise_optimizer,
+                           fault_tolerant_optimizer, full_shape,
                            full_tensor, local_shard, register_forward_method, shard)
     from .sharding.setup.replicas import check_model_replicas as check_replicas
     from .sharding.step.verify import CollectiveOrderError
@@ -60,8 +61,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "seeded": (".seeding", "seeded"),
     **{name: (".job.selection", name) for name in ("backend_statuses", "get_backend")},
     **{name: (".sharding", name) for name in (
-        "FaultTolerance", "fault_tolerant_optimizer", "MixedPrecision", "Quantization", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "full_shape",
-        "full_tensor", "local_shard", "register_forward_method", "shard")},
+        "FaultTolerance", "fault_tolerant_optimizer", "MixedPrecision", "Quantization", "ShardingStrategy", "clip_grad_norm_", "comm_stats", "elementwise_optimizer",
+        "full_shape", "full_tensor", "local_shard", "register_forward_method", "shard")},
     "check_replicas": (".sharding.setup.replicas", "check_model_replicas"),
     "CollectiveOrderError": (".sharding.step.verify", "CollectiveOrderError"),
     "checkpoint": (".checkpoint", ""),
@@ -95,7 +96,7 @@ __all__ = [
     "ShardkitError", "SpawnError", "StateDictMismatchError", "TorchWork",
     "UnsupportedOperationError", "Work", "__version__", "backend_statuses", "check_replicas",
     "checkpoint", "clip_grad_norm_", "comm_stats", "current_context", "detect_launch_env",
-    "fault_tolerant_optimizer", "full_shape", "full_tensor", "get_backend", "global_mean", "hookimpl", "hookspec", "init", "local_shard",
+    "elementwise_optimizer", "fault_tolerant_optimizer", "full_shape", "full_tensor", "get_backend", "global_mean", "hookimpl", "hookspec", "init", "local_shard",
     "plan", "register_forward_method", "register_plugin", "replicate", "seeded", "shard",
     "shutdown", "spawn", "wrap",
 ]

@@ -1,7 +1,7 @@
 """On/off switches read from the environment, by one parser, where they are used.
 
 Every boolean setting shardkit reads (SHARDKIT_DEBUG, SHARDKIT_WATCHDOG, SHARDKIT_STRICT_PLUGINS,
-SHARDKIT_PLUGIN_AUTOLOAD) is named here once and parsed by `env_flag`, at the moment it matters
+SHARDKIT_PLUGIN_AUTOLOAD, SHARDKIT_LOCAL_STEP) is named here once and parsed by `env_flag`, at the moment it matters
 (not at import), so `SHARDKIT_STRICT_PLUGINS=on` means on everywhere and a value that is neither
 on nor off (`SHARDKIT_WATCHDOG=disable`) is refused, naming the variable, instead of being read
 as one or the other.
@@ -17,6 +17,7 @@ DEBUG = "SHARDKIT_DEBUG"  # verify collective order, full tracebacks of failed c
 WATCHDOG = "SHARDKIT_WATCHDOG"  # the per-rank failure watchdog (on by default)
 STRICT_PLUGINS = "SHARDKIT_STRICT_PLUGINS"  # a plugin's import error raises at discovery
 PLUGIN_AUTOLOAD = "SHARDKIT_PLUGIN_AUTOLOAD"  # load third-party plugins' entry points (on by default)
+LOCAL_STEP = "SHARDKIT_LOCAL_STEP"  # elementwise optimizers step DTensors' local tensors (on by default)
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")

@@ -91,6 +91,18 @@ HELD: tuple[Held, ...] = (
          "the first shard()", "shutdown() removes the hooks (the next shard() adds them again); "
          "entries die with their parameters and optimizers",
          "shardkit.sharding.setup.stale_optimizer:uninstall"),
+    Held(("shardkit.sharding.surface.local_step:_adopted", "shardkit.sharding.surface.local_step:_enabled"),
+         "weak references to the optimizers whose step was put in front of (each holds an "
+         "instance-level step that hands an elementwise step the DTensors' local tensors)",
+         "an optimizer is adopted at its first step by the global step hook, which knows no model",
+         "an optimizer's first step after shard()", "shutdown() turns every adopted step back into "
+         "the class's (entries die with their optimizers)",
+         "shardkit.sharding.surface.local_step:uninstall"),
+    Held(("shardkit.sharding.surface.local_step:_declared",),
+         "the optimizer classes a user declared elementwise (shardkit.elementwise_optimizer)",
+         "a declaration about a class, made once where the class is defined",
+         "shardkit.elementwise_optimizer(cls)", "reset() forgets them; entries die with their classes",
+         "shardkit.sharding.surface.local_step:forget_declared"),
     Held(("shardkit.sharding.surface.torch_norms:_installed", "shardkit.sharding.surface.torch_norms:_replaced_clip"),
          "torch.nn.utils.clip_grad._get_total_norm and torch.nn.utils.get_total_norm replaced "
          "by a version that counts a sharded gradient as its whole parameter's (and, where a "

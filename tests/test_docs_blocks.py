@@ -110,6 +110,12 @@ model = shardkit.shard(nn.Sequential(nn.Linear(16, 32), Block(32), Block(32), nn
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 torch.manual_seed(1 + ctx.rank)  # each rank draws its own batches
 ''',
+    "elementwise": _BLOCK_MODEL + '''
+torch.manual_seed(0)
+model = shardkit.shard(nn.Sequential(nn.Linear(16, 32), Block(32), Block(32), nn.Linear(32, 4)),
+                       auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+before = [p.full_tensor().clone() for p in model.parameters()]
+''',
     "muon": _BLOCK_MODEL + '''
 torch.manual_seed(0)
 model = shardkit.shard(nn.Sequential(nn.Linear(16, 32), Block(32), nn.Linear(32, 4)),
@@ -146,6 +152,11 @@ model = GPT()
 }
 # Checks run after a block, in the same namespace: the block did what the page says.
 EPILOGUES = {
+    "elementwise": '''
+from shardkit.sharding.surface.local_step import last_step_was_local
+assert last_step_was_local(opt)   # the declared optimizer stepped the local tensors
+assert all(not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+''',
     "muon": '''
 after = shardkit.full_tensor(p)
 full_update = newton_schulz(shardkit.full_tensor(p, momentum))

@@ -235,6 +235,7 @@ def _remove_job_hooks() -> None:
     # installs them again.
     remove_step_hook()
     for name, remove in (("shardkit.sharding.setup.stale_optimizer", "uninstall"),
+                         ("shardkit.sharding.surface.local_step", "uninstall"),
                          ("shardkit.sharding.surface.torch_norms", "uninstall"),
                          ("shardkit.sharding.step.whole_view", "allow_partial_items")):
         module = sys.modules.get(name)

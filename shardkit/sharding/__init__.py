@@ -14,6 +14,7 @@ from .api import shard
 from .surface.clip import clip_grad_norm_
 from .surface.fault_tolerant import fault_tolerant_optimizer
 from .surface.forward_methods import register_forward_method
+from .surface.local_step import elementwise_optimizer
 from .surface.module_api import ShardedModule, get_state
 from .surface.param_access import full_shape, full_tensor, local_shard
 from .policies import FaultTolerance, MixedPrecision, Quantization, ShardingStrategy
@@ -33,4 +34,4 @@ __all__ = ["FaultTolerance", "MixedPrecision", "Quantization", "ShardView", "Sha
            "comm_stats", "get_state", "iter_unit_full_params", "load_full_param_", "shard",
            "shard_views", "sharding_info"]
 __all__ += ["register_forward_method", "full_shape", "full_tensor", "local_shard",
-            "fault_tolerant_optimizer"]
+            "fault_tolerant_optimizer", "elementwise_optimizer"]

@@ -4,7 +4,8 @@ shard() replaces every parameter with this rank's shard, so an optimizer made ea
 old full tensors: they never get a gradient, and torch's optimizers silently skip them. A global
 optimizer step pre-hook checks each optimizer once (its first step) against the replaced
 parameters; once it passed, later steps cost one dictionary lookup. It also records the "optimizer step" phase
-for failure reports.
+for failure reports, and hands a checked optimizer to surface/local_step.py (its later steps run on
+the DTensor parameters' local tensors where that computes the same numbers).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from ...errors import ShardkitError
 from ...failure import where
+from ..surface import local_step
 from .plan import ParamPlan
 
 # id(original parameter) -> (weak reference to it, its name); ids are checked against the
@@ -77,6 +79,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     names = stale_names(optimizer)
     if not names:
         _checked[optimizer] = True  # clean: later steps skip the check
+        local_step.adopt(optimizer)  # later steps of an elementwise one run on local tensors
     else:
         shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
         raise ShardkitError(
