@@ -262,11 +262,17 @@ class _LocalSteps:
         self.params_g, self.locals_g, self.specs_g = params_g, locals_g, specs_g
         self.helds_g, self.mines_g = helds_g, mines_g
         self.local_state, self.plain_new = local_state, plain_new
+        # torch's own optimizers update existing state in place (their update functions take
+        # lists of the state tensors); only a new entry needs wrapping after their step.
+        self.in_place = type(optimizer) in ELEMENTWISE
         self._snapshot()
         self.built = True
         return local_grads
 
     def _snapshot(self) -> None:
+        # Every parameter's state dict, in the state's order: read without hashing a tensor
+        # (a DTensor's __hash__ is Python code), it shows a dict replaced, added or removed.
+        self.state_dicts = list(self.state.values())
         self.values = list(chain.from_iterable(map(dict.values, self.helds_g)))
         self.local_values = list(chain.from_iterable(map(dict.values, self.mines_g)))
         self.local_len = len(self.local_state)
@@ -285,7 +291,8 @@ class _LocalSteps:
         if not all(map(is_, map(_SPEC, grads), self.specs_g)):
             return None
         state = self.state
-        if not all(map(is_, map(state.get, self.params_g), self.helds_g)):
+        if len(state) != len(self.state_dicts) or not all(
+                map(is_, state.values(), self.state_dicts)):
             return None
         if sum(map(len, self.helds_g)) != len(self.values) or not all(
                 map(is_, chain.from_iterable(map(dict.values, self.helds_g)), self.values)):
@@ -296,8 +303,8 @@ class _LocalSteps:
     def _enter(self, optimizer: torch.optim.Optimizer, local_grads: list) -> None:
         for (group, _, _), stepped in zip(self.groups, self.stepped):
             group["params"] = stepped
-        for local, grad in zip(self.locals_g, local_grads):
-            local.grad = grad
+        for _ in map(setattr, self.locals_g, repeat("grad"), local_grads):
+            pass
         optimizer.state = self.local_state
 
     def _leave(self, optimizer: torch.optim.Optimizer) -> None:
@@ -305,12 +312,12 @@ class _LocalSteps:
         optimizer.state = self.state
         for group, params, _ in self.groups:
             group["params"] = params
-        for local in self.locals_g:
-            local.grad = None
+        for _ in map(setattr, self.locals_g, repeat("grad"), repeat(None)):
+            pass
         if (len(self.local_state) == self.local_len
                 and sum(map(len, self.mines_g)) == len(self.local_values)
-                and all(map(is_, chain.from_iterable(map(dict.values, self.mines_g)),
-                            self.local_values))):
+                and (self.in_place or all(map(is_, chain.from_iterable(
+                    map(dict.values, self.mines_g)), self.local_values)))):
             return  # updated in place, as torch's optimizers do after the state's first step
         for p, local, held, mine in zip(self.params_g, self.locals_g, self.helds_g, self.mines_g):
             for key, value in mine.items():
