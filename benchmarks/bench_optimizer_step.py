@@ -21,6 +21,7 @@ Run it on as many idle cores as ranks (one thread per rank).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -132,7 +133,12 @@ def bench_rank(rank: int, args_dict: dict) -> dict:
                         opt.step()
                     times[variant].append((time.perf_counter() - began) / a.steps)
             results[f"{model_name}/{opt_name}"] = {v: statistics.median(t) for v, t in times.items()}
+            if rank == 0:
+                print(f"{model_name}/{opt_name}: " + ", ".join(
+                    f"{v} {t * 1e3:.3f} ms" for v, t in results[f"{model_name}/{opt_name}"].items()),
+                    file=sys.stderr, flush=True)
             del live
+            gc.collect()  # sharded models hold reference cycles: free them before the next
     return results
 
 

@@ -201,7 +201,7 @@ class _LocalSteps:
         self.built = False
         state = optimizer.state
         groups, stepped_lists = [], []
-        dparams, has_grad = [], []
+        dparams, dlocals, has_grad = [], [], []
         params_g, locals_g, specs_g, helds_g, mines_g, local_grads = [], [], [], [], [], []
         local_state: defaultdict = defaultdict(dict)
         plain_new = []
@@ -222,6 +222,7 @@ class _LocalSteps:
                 stepped.append(local)
                 grad = p.grad
                 dparams.append(p)
+                dlocals.append(local)
                 has_grad.append(grad is not None)
                 if grad is None:
                     continue  # the step skips it
@@ -258,7 +259,7 @@ class _LocalSteps:
             return None
         self.state, self.groups, self.stepped = state, groups, stepped_lists
         self.ngroups = len(optimizer.param_groups)
-        self.dparams, self.has_grad = dparams, has_grad
+        self.dparams, self.dlocals, self.has_grad = dparams, dlocals, has_grad
         self.params_g, self.locals_g, self.specs_g = params_g, locals_g, specs_g
         self.helds_g, self.mines_g = helds_g, mines_g
         self.local_state, self.plain_new = local_state, plain_new
@@ -284,6 +285,8 @@ class _LocalSteps:
         for group, params, count in self.groups:
             if group["params"] is not params or len(params) != count:
                 return None
+        if not all(map(is_, map(_LOCAL, self.dparams), self.dlocals)):
+            return None  # a parameter's data replaced (`p.data = ...`, an EMA swap)
         grads = list(map(_GRAD, self.dparams))
         if list(map(is_not, grads, repeat(None))) != self.has_grad:
             return None
