@@ -169,6 +169,11 @@ def main() -> None:
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}  # predict() clears them
     predictions = trainer.predict(module, DataLoader(data(args.model), batch_size=8), return_predictions=True)
     weights = _full_weights(module, args.strategy)
+    local_step = None  # did the user's optimizer step shardkit's DTensors' local tensors?
+    if args.strategy.startswith("shardkit"):
+        from shardkit.sharding.surface.local_step import last_step_was_local
+
+        local_step = last_step_was_local(trainer.optimizers[0])
     if trainer.global_rank == 0:
         with open(args.out, "w") as f:
             json.dump({"losses": recorder.losses, "val": recorder.val, "world": trainer.world_size,
@@ -176,7 +181,8 @@ def main() -> None:
                        "predictions": [t.tolist() for t in predictions][:2],
                        "weights": {k: v.double().sum().item() for k, v in weights.items()},
                        "built_on": getattr(module, "built_on", None),
-                       "logged": logged, "summary": SummaryRecorder.totals}, f)
+                       "logged": logged, "summary": SummaryRecorder.totals,
+                       "local_step": local_step}, f)
 
 
 def _full_weights(module: torch.nn.Module, strategy: str) -> dict[str, torch.Tensor]:

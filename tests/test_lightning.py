@@ -118,6 +118,8 @@ def test_trainer_fit_validate_predict_equal_ddp_at_two_ranks(tmp_path, model):
     ddp = _run(tmp_path, "ddp", "--strategy", "ddp", "--model", model)
     _same_run(ours, ddp, rel=1e-6)
     assert ours["predictions"] == ddp["predictions"] and ours["global_step"] == 8
+    # Lightning steps with a closure: the AdamW it was given still stepped the local tensors.
+    assert ours["local_step"] is True
     assert ours["logged"]["train_loss"] == pytest.approx(ddp["logged"]["train_loss"], rel=1e-6)
 
 
