@@ -14,8 +14,9 @@ without a process group), manifest (the manifest written last, checksums, crash-
 entries (what a model and its optimizer contribute, named like state_dict()), collective (the
 few collectives checkpointing needs), resume (``latest``), full (full state dicts, ``export``,
 ``load_full_state_dict``) and safetensors_io (the safetensors files and their index; a rank reads
-only its rows), offline and cli (``consolidate`` / ``inspect`` without a job), disk_full (a full
-disk named as one), errors.
+only its rows), torch_dcp (``load`` of a torch DCP folder that FSDP2, torchtitan or dcp.save
+wrote, through torch's state-dict API), offline and cli (``consolidate`` / ``inspect`` without a
+job), disk_full (a full disk named as one), errors.
 """
 
 from importlib import import_module

@@ -235,11 +235,10 @@ def describe_without_manifest(directory: str) -> str:
                 "earlier checkpoint.")
     if ".metadata" in names:
         return (f"{directory} is a torch DCP checkpoint (its .metadata: written by FSDP2, "
-                f"torchtitan or dcp.save), not a shardkit one ({missing}). HINT: torch's API reads "
-                "it into a sharded model: state = {'model': get_model_state_dict(model)}; "
-                "dcp.load(state, checkpoint_id=DIR); set_model_state_dict(model, state['model']) "
-                "(torch.distributed.checkpoint and its .state_dict module; use the key it was "
-                "saved under).")
+                f"torchtitan or dcp.save), not a shardkit one ({missing}). HINT: "
+                "shardkit.checkpoint.load(DIR, model[, optimizer]) reads it into a sharded model "
+                "at any world size (through torch's get/set_model_state_dict), as do torch's own "
+                "dcp.load and set_model_state_dict.")
     hf = [n for n in names if n in _HF_FILES or n.endswith(".safetensors")]
     if hf:
         return (f"{directory} holds Hugging Face or safetensors weights ({', '.join(hf[:3])}), "

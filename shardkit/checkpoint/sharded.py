@@ -21,6 +21,7 @@ from .entries import (MODEL_PREFIX, Entry, dtype_from_name, dtype_name, is_shard
                       model_entries, optim_key, optimizer_views)
 from .errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError
 from .host_io import load_chunks_to_device, save_chunks_from_host
+from .torch_dcp import is_torch_dcp_dir, load_torch_dcp
 
 
 _EXTRA_HINT = ("HINT: keep `extra` to tensors, numbers, strings, lists, tuples and dicts "
@@ -259,7 +260,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
 
     strict=False loads the model entries the checkpoint and the model share and leaves the rest
     as they are (a new head on a pretrained trunk); shapes must still agree. The optimizer, when
-    given, must match the checkpoint's in every case.
+    given, must match the checkpoint's in every case. `path` may also be a torch DCP checkpoint
+    written by FSDP2, torchtitan or dcp.save (read through torch's state-dict API, at any world
+    size; it carries no `extra`: None is returned).
     """
     from .background import wait_pending
 
@@ -270,6 +273,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
         "path": os.path.abspath(os.fspath(path)),
         "optimizer": optimizer_class_name(optimizer) if optimizer else None,
         "verify": verify, "strict": strict})
+    if is_torch_dcp_dir(os.path.abspath(os.fspath(path)), mf.MANIFEST_FILE):
+        # FSDP2's, torchtitan's or a plain dcp.save's folder: torch's own state-dict API reads it.
+        load_torch_dcp(os.path.abspath(os.fspath(path)), model, optimizer, strict)
+        return None
     directory = mf.resolve(os.fspath(path))
     manifest = mf.read_manifest(directory)
     if verify:

@@ -10,7 +10,8 @@ dispatch adds nothing: sharded by rows or replicated, the update of the local te
 update. So for such an optimizer `optimizer.step()` hands the step the local tensors (parameter,
 gradient, each state tensor shaped like the parameter) and puts the DTensors back before it
 returns: what the user's code, torch's `state_dict()`, DCP and LR schedulers see is unchanged;
-only the numbers moved, and they are the numbers the dispatch computes (the same kernels).
+only the numbers moved, and they are the numbers the dispatch computes (the same kernels). A step
+traced by torch.compile is left as the user wrote it (through the DTensors).
 
 Which optimizers: torch's elementwise ones by exact class (`ELEMENTWISE`), and any class the user
 declares with `shardkit.elementwise_optimizer` (a Lion, a user's SGD variant). A subclass or an
@@ -171,7 +172,8 @@ class _LocalSteps:
         inner = self.inner
         self.last_local = False
         if (not _enabled or optimizer._optimizer_step_pre_hooks
-                or optimizer._optimizer_step_post_hooks):
+                or optimizer._optimizer_step_post_hooks or torch.compiler.is_compiling()):
+            # (Inside torch.compile the step is traced as the user wrote it: through the DTensors.)
             return _call(optimizer, inner, args, kwargs)
         closure = kwargs.pop("closure", None) if "closure" in kwargs else (
             args[0] if args else None)
