@@ -121,9 +121,11 @@ def load_torch_dcp(directory: str, model: torch.nn.Module, optimizer: Any, stric
             "both have (a new head on a pretrained trunk)")
     state: dict = {}
     model_entries = _nest(state, model_prefix, model_sd)
-    optim_entries = optim_options = None
-    if optimizer is not None:
-        found = find_optimizer_prefix(keys, [n for n, p in model.named_parameters()])
+    if optimizer is None:
+        dcp.load(state, checkpoint_id=directory,
+                 planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    else:
+        found = find_optimizer_prefix(keys, [n for n, _ in model.named_parameters()])
         if found is None:
             raise StateDictMismatchError(
                 f"torch DCP checkpoint {directory} holds no optimizer state for this model's "
@@ -133,13 +135,11 @@ def load_torch_dcp(directory: str, model: torch.nn.Module, optimizer: Any, stric
         optim_options = StateDictOptions(flatten_optimizer_state_dict=flattened)
         optim_sd = get_optimizer_state_dict(model, optimizer, options=optim_options)
         optim_entries = _nest(state, optim_prefix, optim_sd)
-    dcp.load(state, checkpoint_id=directory,
-             planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    if model_entries is state:
-        model_entries = {name: state[name] for name in names}
-    set_model_state_dict(model, model_entries,
-                         options=StateDictOptions(strict=strict))
-    if optimizer is not None:
-        if optim_entries is state:
+        dcp.load(state, checkpoint_id=directory,
+                 planner=DefaultLoadPlanner(allow_partial_load=not strict))
+        if optim_entries is state:  # dcp.load replaced non-tensor entries in `state` itself
             optim_entries = {k: state[k] for k in optim_sd}
         set_optimizer_state_dict(model, optimizer, optim_entries, options=optim_options)
+    if model_entries is state:
+        model_entries = {name: state[name] for name in names}
+    set_model_state_dict(model, model_entries, options=StateDictOptions(strict=strict))

@@ -48,10 +48,7 @@ from ...env_flags import LOCAL_STEP, env_flag
 from ..step.whole_view import whole, whole_spec
 from .param_access import is_sharded_param
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch built without distributed has no DTensor parameters to step
-    DTensor = None
+from torch.distributed.tensor import DTensor
 
 # torch's optimizers whose update is elementwise (by exact class: a subclass may override step).
 ELEMENTWISE: frozenset[type] = frozenset(
@@ -136,7 +133,7 @@ def uninstall() -> None:
 
 
 def _is_dtensor(tensor: object) -> bool:
-    return DTensor is not None and type(tensor) is DTensor
+    return type(tensor) is DTensor
 
 
 def _call(optimizer: torch.optim.Optimizer, inner: Callable[..., Any] | None, args: tuple,
