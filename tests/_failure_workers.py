@@ -208,6 +208,13 @@ def misuse(rank: int, world: int) -> dict:
     with torch.device("meta"):
         raw = _RawModule()
     attempt("meta_no_reset", lambda: shardkit.shard(raw))
+    # A model torch's tensor parallelism already sharded (issue 51 composes them; until then: said).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    tp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    parallelize_module(tp, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel()})
+    attempt("tensor_parallel_model", lambda: shardkit.shard(tp))
     # Valid spellings still work: a strategy as a lower-case string, the device as a string.
     ok = shardkit.shard(TinyNet(), strategy="shard_grad_op", device_id="cpu", auto_wrap_policy=policy)
     out["string_strategy"] = shardkit.sharding.sharding_info(ok)["strategy"]

@@ -46,6 +46,10 @@ def test_shard_misuse_is_refused_with_what_to_do(results):
         assert "shard() got a model with no parameters (Sequential)" in out["zero_params"]
         assert ("module <root> (_RawModule) has meta-device tensors but no reset_parameters(); "
                 "HINT: pass param_init_fn=fn") in out["meta_no_reset"]
+        # (torch's own words were "aten.copy_.default got mixed torch.Tensor and DTensor")
+        assert out["tensor_parallel_model"].startswith(
+            "ShardkitError: parameter '0.weight' is already a DTensor (placements (Shard(dim=0),)")
+        assert "HINT: pass shard() the plain model" in out["tensor_parallel_model"]
 
 
 def test_optimizer_built_before_shard_fails_on_its_first_step(results):

@@ -29,7 +29,7 @@ from .setup.groups import GroupMaker, make_groups, make_node_hops, shard_group_s
 from .setup.materialize import has_meta, materialize
 from .surface.module_api import STATE_ATTR, sharded_class
 from .surface.param_access import is_sharded_param, remember_params
-from .step.whole_view import make_mesh, refuse_partial_items
+from .step.whole_view import is_dtensor, make_mesh, refuse_partial_items
 from .surface import state_dict_hooks, torch_norms
 from .step.param import ShardedParam
 from .setup.plan import ParamPlan, UnitPlan, all_param_plans, plan_units
@@ -90,6 +90,18 @@ def _check_not_sharded(model: nn.Module) -> None:
                                 "belongs to a sharded model (the module is part of one); call "
                                 "shardkit.shard() once, on the root model, and make this module "
                                 "a unit with auto_wrap_policy=")
+        if is_dtensor(param):
+            # torch's tensor parallelism (parallelize_module) or FSDP2's fully_shard made it: the
+            # engine would copy a DTensor into plain rows (torch: "got mixed torch.Tensor and
+            # DTensor"). Composing with them is issue 51's work.
+            placements = tuple(getattr(param, "placements", ()))
+            raise ShardkitError(
+                f"parameter {name!r} is already a DTensor (placements {placements}, on "
+                f"{getattr(param, 'device_mesh', 'a DeviceMesh')}): the model was sharded by "
+                "torch's tensor parallelism (parallelize_module) or FSDP2 (fully_shard), which "
+                "shardkit.shard() does not compose with yet. HINT: pass shard() the plain model "
+                "(before parallelize_module / fully_shard); for tensor parallel x data parallel "
+                "today use FSDP2's fully_shard(model, mesh=dp_mesh)")
 
 
 def _fault_tolerant_group(config: FaultTolerance | None, strategy, hybrid_group_size: int | None,
