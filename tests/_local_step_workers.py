@@ -384,3 +384,23 @@ def edge_run(rank: int, world: int) -> dict:
     except shardkit.ShardkitError as exc:
         out["bad_declaration"] = str(exc)
     return out
+
+
+def compiled_step_run(rank: int, world: int) -> dict:
+    """`opt.step()` inside torch.compile (eager backend: dynamo traces it) trains as the dispatch does."""
+    found = {}
+    for local in (True, False):
+        os.environ["SHARDKIT_LOCAL_STEP"] = "1" if local else "0"
+        model = _shard(world, {})
+        opt = make_optimizer("adamw", model)
+
+        @torch.compile(backend="eager")
+        def step():
+            opt.step()
+
+        for i in range(3):
+            _loss(model, i, rank).backward()
+            step()
+            opt.zero_grad()
+        found[local] = _snapshot(model, opt)
+    return {"differ": _bitwise(found[True], found[False])}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 import shardkit
-from _local_step_workers import checkpoint_run, dcp_state_run, edge_run, parity_run
+from _local_step_workers import (checkpoint_run, compiled_step_run, dcp_state_run, edge_run,
+                                 parity_run)
 
 pytestmark = pytest.mark.slow  # multi-process
 
@@ -93,3 +94,10 @@ def test_what_user_code_sees_around_a_step():
         assert r["local_before_uninstall"] and r["scheduler_step_back"]
         assert not r["local_after_uninstall"]
         assert "HINT" in r["bad_declaration"] and "not an instance" in r["bad_declaration"]
+
+
+@pytest.mark.long  # dynamo traces the step: ~30 s
+def test_a_step_traced_by_torch_compile_trains_as_the_dispatch_does():
+    # Inside torch.compile the step is left as the user wrote it (through the DTensors).
+    for r in shardkit.spawn(compiled_step_run, 2, 2, threads_per_rank=1):
+        assert r["differ"] == []
