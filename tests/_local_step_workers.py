@@ -395,12 +395,12 @@ def compiled_step_run(rank: int, world: int) -> dict:
         opt = make_optimizer("adamw", model)
 
         @torch.compile(backend="eager")
-        def step():
-            opt.step()
+        def step(optimizer):
+            optimizer.step()
 
         for i in range(3):
             _loss(model, i, rank).backward()
-            step()
+            step(opt)
             opt.zero_grad()
         found[local] = _snapshot(model, opt)
     return {"differ": _bitwise(found[True], found[False])}

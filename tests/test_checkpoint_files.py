@@ -196,6 +196,9 @@ def test_a_folder_without_a_manifest_is_named_for_what_it_holds(tmp_path, name, 
     assert says in message and "shardkit_manifest.json is missing" in message, message
     assert ("safe to delete" in message) is deletable, message
     assert "delete this directory" not in message
+    # Only a folder torch DCP wrote is read by checkpoint.load as one (not shardkit's unfinished
+    # save, not a shardkit checkpoint whose manifest was lost, though both hold .metadata).
+    assert mf.is_torch_dcp(str(folder)) is (name == "dcp")
 
 
 def test_a_save_never_replaces_a_folder_that_is_not_a_shardkit_checkpoint(tmp_path):

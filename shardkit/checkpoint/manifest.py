@@ -208,6 +208,19 @@ def is_checkpoint_dir(path: str) -> bool:
     return os.path.exists(os.path.join(path, MANIFEST_FILE)) or not os.listdir(path)
 
 
+def is_torch_dcp(directory: str) -> bool:
+    """True for a folder torch DCP wrote and shardkit did not (FSDP2, torchtitan, dcp.save): DCP's
+    .metadata without a manifest, without shardkit's state file (a shardkit checkpoint whose
+    manifest was lost), and not under a save's temporary name (shardkit's unfinished save)."""
+    if not os.path.isdir(directory):
+        return False
+    names = set(os.listdir(directory))
+    if ".metadata" not in names or MANIFEST_FILE in names or STATE_FILE in names:
+        return False
+    final, marked, token = os.path.basename(os.path.abspath(directory)).rpartition(TMP_MARK)
+    return not (marked and final and token)
+
+
 _HF_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json",
              "pytorch_model.bin", "pytorch_model.bin.index.json")
 

@@ -21,7 +21,7 @@ from .entries import (MODEL_PREFIX, Entry, dtype_from_name, dtype_name, is_shard
                       model_entries, optim_key, optimizer_views)
 from .errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError
 from .host_io import load_chunks_to_device, save_chunks_from_host
-from .torch_dcp import is_torch_dcp_dir, load_torch_dcp
+from .torch_dcp import load_torch_dcp
 
 
 _EXTRA_HINT = ("HINT: keep `extra` to tensors, numbers, strings, lists, tuples and dicts "
@@ -273,7 +273,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
         "path": os.path.abspath(os.fspath(path)),
         "optimizer": optimizer_class_name(optimizer) if optimizer else None,
         "verify": verify, "strict": strict})
-    if is_torch_dcp_dir(os.path.abspath(os.fspath(path)), mf.MANIFEST_FILE):
+    if mf.is_torch_dcp(os.path.abspath(os.fspath(path))):
         # FSDP2's, torchtitan's or a plain dcp.save's folder: torch's own state-dict API reads it.
         load_torch_dcp(os.path.abspath(os.fspath(path)), model, optimizer, strict)
         return None

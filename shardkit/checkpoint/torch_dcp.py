@@ -18,22 +18,12 @@ cannot lay them out: that is refused with the route that works there.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
 import torch
 
 from .errors import CheckpointError, StateDictMismatchError
-
-METADATA_FILE = ".metadata"
-
-
-def is_torch_dcp_dir(directory: str, manifest_file: str) -> bool:
-    """True for a folder torch DCP wrote (its .metadata) that is not a shardkit checkpoint."""
-    return (os.path.isdir(directory) and os.path.exists(os.path.join(directory, METADATA_FILE))
-            and not os.path.exists(os.path.join(directory, manifest_file)))
-
 
 def find_prefix(keys: set[str], names: list[str], strict: bool) -> str | None:
     """The prefix under which `names` are stored among `keys` (every name when strict, else the
