@@ -171,6 +171,12 @@ class Watchdog:
         now = time.monotonic()
         for rank in self._dead_local_peers():
             if rank not in known and rank not in self._done:
+                # Its heartbeat was read before its pid: a peer that shut down cleanly and
+                # exited in between is gone but not dead (it marked itself done first).
+                if store.add(f"{_PREFIX}hb/{rank}", 0) < 0:
+                    self._done.add(rank)
+                    counts[rank] = -1
+                    continue
                 failures.append(Failure(rank, _DIED))
                 known.add(rank)
         for rank, count in counts.items():
