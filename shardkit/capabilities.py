@@ -59,8 +59,8 @@ class Capabilities:
     ranks_share_process: bool = False
     # Collectives run on a torch.distributed process group, which torch.distributed.checkpoint can
     # coordinate through and a DeviceMesh can be built on (parameters are then DTensors of the
-    # whole parameter: sharding/step/whole_view.py); False: checkpoints are written from host copies
-    # of the shards instead, and parameters stay plain rows.
+    # whole parameter, every strategy: sharding/step/whole_view.py); False: checkpoints are
+    # written from host copies of the shards instead, and parameters are plain rows (RowParams).
     torch_process_group: bool = True
     # Reduce ops the collectives accept for general use (the engine's own reductions use "sum").
     reduce_ops: frozenset[str] = frozenset({"sum", "max", "min"})

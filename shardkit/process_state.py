@@ -103,6 +103,12 @@ HELD: tuple[Held, ...] = (
          "a declaration about a class, made once where the class is defined",
          "shardkit.elementwise_optimizer(cls)", "reset() forgets them; entries die with their classes",
          "shardkit.sharding.surface.local_step:forget_declared"),
+    Held(("shardkit.sharding.step.whole_view:_released_meshes",),
+         "how many dead models' DeviceMeshes torch's DTensor op-sharding caches may still hold",
+         "torch's caches are process-wide (and clearing them inside a finalizer is not safe)",
+         "a sharded model with a mesh is collected",
+         "the next shard(), shutdown() and reset() clear torch's caches",
+         "shardkit.sharding.step.whole_view:forget_released_meshes"),
     Held(("shardkit.sharding.surface.torch_norms:_installed", "shardkit.sharding.surface.torch_norms:_replaced_clip"),
          "torch.nn.utils.clip_grad._get_total_norm and torch.nn.utils.get_total_norm replaced "
          "by a version that counts a sharded gradient as its whole parameter's (and, where a "

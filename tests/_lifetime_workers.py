@@ -44,10 +44,11 @@ def live_tensor_bytes() -> int:
         if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
             try:
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # sparse or wrapper tensors
-                continue
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
+                pointer = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # sparse or wrapper tensors (a DTensor:
+                continue  # its local tensor is a gc object of its own and counted there)
+            if pointer not in seen:
+                seen.add(pointer)
                 total += storage.nbytes()
     return total
 
@@ -256,13 +257,17 @@ def rss_bytes() -> int:
 def rounds(rank: int, world: int, n_rounds: int, width: int) -> dict:
     """Build / shard / train a step / delete, n_rounds times: live tensor bytes and RSS per round
     after the delete, tensor bytes while the model lived (the probe sees tensors), group counts."""
-    tensor_bytes, rss, groups, with_model = [], [], [], []
+    tensor_bytes, rss, groups, with_model, meshes_alive = [], [], [], [], []
+    last_mesh = None
     for _ in range(n_rounds):
         torch.manual_seed(0)
         model = shardkit.shard(torch.nn.Sequential(*[torch.nn.Linear(width, width)
                                                      for _ in range(4)]),
                                auto_wrap_policy=lambda m: isinstance(m, torch.nn.Linear),
                                strategy="HYBRID_SHARD", hybrid_group_size=max(1, world // 2))
+        gc.collect()
+        meshes_alive.append(last_mesh is not None and last_mesh() is not None)
+        last_mesh = weakref.ref(model[0].weight.device_mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model(torch.randn(2, width)).sum().backward()
         optimizer.step()
@@ -274,7 +279,8 @@ def rounds(rank: int, world: int, n_rounds: int, width: int) -> dict:
         rss.append(rss_bytes())
         groups.append(live_groups())
     return {"tensor_bytes": tensor_bytes, "rss": rss, "groups": groups,
-            "tensor_bytes_with_model": with_model, "model_bytes": 4 * (width * width + width) * 4}
+            "tensor_bytes_with_model": with_model, "model_bytes": 4 * (width * width + width) * 4,
+            "earlier_mesh_alive_after_next_shard": meshes_alive}
 
 
 def gpu_rounds(rank: int, world: int, n: int) -> list[tuple[int, int]]:

@@ -53,4 +53,8 @@ def one_rank_saves(rank: int, out_dir: str) -> list[str]:
 
     model = shardkit.shard(tiny_gpt2())
     model.save_pretrained(out_dir)
+    loaded = type(tiny_gpt2()).from_pretrained(out_dir)
+    mine = shardkit.checkpoint.full_state_dict(model)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, mine[name]), name
     return sorted(os.listdir(out_dir))

@@ -61,6 +61,7 @@ def train_run(rank: int, world: int, strategy: str = "FULL_SHARD", hybrid: int |
                        if isinstance(p, DTensor)},
         "local_rows": {n: tuple(p.to_local().shape) for n, p in params.items()
                        if isinstance(p, DTensor)},
+        "full_shapes": {n: tuple(p.shape) for n, p in params.items()},
         "numel": (sum(p.numel() for p in model.parameters()),
                   sum(p.numel() for p in ref.parameters())),
         "losses": [], "ref_losses": [], "norms": [], "ref_norms": []}
@@ -95,6 +96,9 @@ def train_run(rank: int, world: int, strategy: str = "FULL_SHARD", hybrid: int |
     everyone = [torch.zeros(2) for _ in range(world)]
     torch.distributed.all_gather(everyone, mine)
     out["temperature_copies_equal"] = all(torch.equal(everyone[0], e) for e in everyone)
+    from shardkit.sharding.surface.local_step import last_step_was_local
+
+    out["local_step"] = last_step_was_local(opt)
     if ckpt is not None:  # with the whole parameters it saves, to compare a load with
         saved = {n: whole(p.detach()).clone() for n, p in params.items()}
         shardkit.checkpoint.save(ckpt, model, opt, extra={"saved": saved})
@@ -145,8 +149,12 @@ def state_dict_file_run(rank: int, world: int, tmp: str) -> dict:
 
 
 def placements_expected(world: int, hybrid: int | None) -> dict[str, list[str]]:
-    """What each EdgeNet parameter's placements must be under FULL_SHARD or HYBRID_SHARD."""
+    """What each EdgeNet parameter's placements must be under FULL_SHARD or HYBRID_SHARD (a shard
+    group of one rank: Replicate() over the world, the whole parameter on every rank)."""
     rows, scalar = str(Shard(0)), str(Replicate())
+    if world == 1 or hybrid == 1:  # a 1-D mesh over the world
+        return {name: [scalar] for name in ("conv.weight", "conv.bias", "proj.weight", "shift",
+                                            "temperature", "head.weight", "head.bias")}
     dims = (lambda p: [str(Replicate()), p]) if hybrid and world // hybrid > 1 else (lambda p: [p])
     return {"conv.weight": dims(rows), "conv.bias": dims(rows), "proj.weight": dims(rows),
             "shift": dims(rows), "temperature": dims(scalar), "head.weight": dims(rows),

@@ -224,8 +224,10 @@ def test_twenty_rounds_of_build_shard_train_delete_keep_memory_flat():
         model = run["model_bytes"]  # 4 Linear(512, 512): 4.2 MB of fp32 parameters
         # While a model lives the probe sees its parameters, gradients and Adam's two states.
         assert all(b >= 4 * model for b in run["tensor_bytes_with_model"]), run
-        # After each delete, no tensor storage at all is left in the rank.
-        assert run["tensor_bytes"] == [0] * n, run["tensor_bytes"]
+        # After each delete, the only storage left is the rank table of the model's DeviceMesh
+        # (world int32s), which torch's DTensor op caches still hold; the next shard() drops them.
+        assert run["tensor_bytes"] == [2 * 4] * n, run["tensor_bytes"]
+        assert run["earlier_mesh_alive_after_next_shard"] == [False] * n
         assert run["groups"] == [1] * n  # HYBRID's replica group goes with each model
         # Resident memory: a leak of one round's model would add >= 4 model sizes per round
         # (64 over rounds 5..20); the allocator keeps up to ~4.5 sizes of freed blocks (measured).

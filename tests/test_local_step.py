@@ -39,13 +39,10 @@ def _check_parity(results):
             assert r["differ"] == [], (config, r["differ"])
             assert r["moved"] > 1e-4, config  # the runs trained: equal bits are not both idle
             assert not any(r["dispatch_local"]), config  # SHARDKIT_LOCAL_STEP=0 is honoured
-            if config.get("strategy") == "NO_SHARD":
-                # Whole plain parameters: nothing to exchange, the optimizer is left alone.
-                assert r["param_types"] == ["Parameter"] and not any(r["ran_local"]), r
-            else:
-                assert r["param_types"] == ["DTensor"], r
-                # The first step makes the state through the dispatch; every later one is local.
-                assert r["ran_local"] == [False] + [True] * (len(r["ran_local"]) - 1), (config, r["ran_local"])
+            # Every strategy, NO_SHARD's Replicate() included (one parameter form): the first
+            # step makes the state through the dispatch; every later one is local.
+            assert r["param_types"] == ["DTensor"], r
+            assert r["ran_local"] == [False] + [True] * (len(r["ran_local"]) - 1), (config, r["ran_local"])
 
 
 @pytest.mark.parametrize("world, configs", [(2, CONFIGS_2), (3, CONFIGS_3),

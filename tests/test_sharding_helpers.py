@@ -22,6 +22,7 @@ from shardkit.sharding.step.collectives import copy_out, pack_grads
 from shardkit.sharding.step.reduce_ops import divide_factors
 from shardkit.sharding.setup.groups import GroupMaker, make_groups
 from shardkit.sharding.step.param import ShardedParam
+from shardkit.sharding.step.whole_view import RowParams
 from shardkit.sharding.policies import ShardingStrategy
 
 ODD_SHAPES = [(5, 3), (7,), (1,), (2, 1, 3)]  # 15, 7, 1, 6 elements: none divides evenly by 3 or 4
@@ -71,7 +72,9 @@ def _params(group_size: int, rank: int = 0) -> list[ShardedParam]:
     out = []
     for i, shape in enumerate(ODD_SHAPES):
         full = nn.Parameter(torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape))
-        out.append(ShardedParam([f"p{i}"], [], full, group, 1, CPU, CPU, torch.float32, backend))
+        # The padded rows themselves (RowParams): a group without process groups has no mesh.
+        out.append(ShardedParam([f"p{i}"], [], full, group, 1, CPU, CPU, torch.float32, backend,
+                                RowParams()))
     return out
 
 

@@ -50,11 +50,19 @@ def test_hybrid_mesh_has_a_replicate_dimension():
     _check_training(results, 4, 2)
 
 
-def test_whole_parameters_without_a_shard_group_stay_plain():
-    results = shardkit.spawn(train_run, 2, 2, "NO_SHARD", None, None, threads_per_rank=1)
+@pytest.mark.parametrize("world, strategy, hybrid", [(1, "FULL_SHARD", None), (2, "NO_SHARD", 1),
+                                                   (2, "HYBRID_SHARD", 1)])
+def test_one_rank_shard_groups_hold_replicated_dtensors_that_train_like_unsharded(world, strategy,
+                                                                                 hybrid):
+    # One parameter form (issue 52): a world of one, NO_SHARD and one-rank HYBRID groups give
+    # DTensors too, Replicate() over the world, whose local tensor is the whole parameter.
+    results = shardkit.spawn(train_run, world, world, strategy, hybrid if strategy != "NO_SHARD"
+                             else None, None, threads_per_rank=1)
+    _check_training(results, world, hybrid)
     for r in results:
-        assert r["placements"] == {}  # whole plain tensors: nothing to shard
-        assert r["param_diff"] <= 1e-5 and r["numel"][0] == r["numel"][1]
+        assert set(r["types"].values()) == {"DTensor"}, r["types"]
+        assert r["local_rows"] == r["full_shapes"]
+        assert r["local_step"]  # torch's AdamW stepped the local tensors, as at N ranks
 
 
 def test_state_dict_file_loads_back_with_torch_load_defaults(tmp_path):

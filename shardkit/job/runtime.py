@@ -237,7 +237,8 @@ def _remove_job_hooks() -> None:
     for name, remove in (("shardkit.sharding.setup.stale_optimizer", "uninstall"),
                          ("shardkit.sharding.surface.local_step", "uninstall"),
                          ("shardkit.sharding.surface.torch_norms", "uninstall"),
-                         ("shardkit.sharding.step.whole_view", "allow_partial_items")):
+                         ("shardkit.sharding.step.whole_view", "allow_partial_items"),
+                         ("shardkit.sharding.step.whole_view", "forget_released_meshes")):
         module = sys.modules.get(name)
         if module is not None:
             getattr(module, remove)()

@@ -1,16 +1,16 @@
 """`shardkit.shard()`: turn a model into a sharded data-parallel model, in place.
 
 shard() runs five named steps: _decide (options, the unit plan, the same on every rank),
-_make_runtime (groups, the model's ShardState, the DeviceMesh), _shard_parameters (materialise,
-buffers, rank 0's values where asked, a ShardedParam per parameter), _make_units (units and
-their hooks), and _hand_over (torch's idioms see whole parameters; the model becomes sharded),
-with the replica check between the last two.
+_make_runtime (groups, the model's ShardState, the parameter form and its DeviceMesh),
+_shard_parameters (materialise, buffers, rank 0's values where asked, a ShardedParam per
+parameter), _make_units (units and their hooks), and _hand_over (torch's idioms see whole
+parameters; the model becomes sharded), with the replica check between the last two.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from .setup.groups import GroupMaker, make_groups, make_node_hops, shard_group_s
 from .setup.materialize import has_meta, materialize
 from .surface.module_api import STATE_ATTR, sharded_class
 from .surface.param_access import is_sharded_param, remember_params
-from .step.whole_view import is_dtensor, make_mesh, refuse_partial_items
+from .step.whole_view import ParamForm, choose_form, forget_released_meshes, is_dtensor
 from .surface import state_dict_hooks, torch_norms
 from .step.param import ShardedParam
 from .setup.plan import ParamPlan, UnitPlan, all_param_plans, plan_units
@@ -39,9 +39,6 @@ from .setup.replicas import broadcast_from_first, check_replicas
 from .setup.reshard import ReshardSpec, frees_without_backward, make_reshard_groups, resolve
 from .step.state import ShardState
 from .step.unit import ShardUnit
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 
 def _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
@@ -194,30 +191,32 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
       fails and a restarted group rejoins live. Wrap the optimizer with
       shardkit.fault_tolerant_optimizer(model, optimizer).
     Afterwards each of model.parameters() (what the optimizer owns) is a DTensor of the whole
-    parameter whose local tensor is this rank's rows (dim-0 Shard over the shard group), where
-    the backend's groups are torch process groups and a shard group has 2+ ranks; otherwise the
-    plain tensor of this rank's rows (dimensions kept, zero padding rows) or the whole parameter;
+    parameter whose local tensor is this rank's rows (dim-0 Shard over the shard group;
+    Replicate where a shard group is one rank: NO_SHARD, a world of one), wherever the backend's
+    groups are torch process groups; on a backend without them (XLA), the plain tensor of this
+    rank's rows (dimensions kept, zero padding rows);
     model.no_sync(), model.set_requires_gradient_sync() and model.unshard() are available, and
     the model's context (backend, groups) lives on the model, not in process-global state.
     """
     if not isinstance(model, nn.Module):
         raise ShardkitError(f"shard() needs an nn.Module, got {type(model).__name__}")
     _check_not_sharded(model)
+    forget_released_meshes()  # torch's op caches may still hold a dead model's mesh
     ctx = require_context(backend)
     hybrid_group_size = _fault_tolerant_group(fault_tolerance, strategy, hybrid_group_size, ctx)
     choices = _decide(model, ctx, strategy, auto_wrap_policy, mixed_precision, device_id,
                       cpu_offload, param_init_fn, prefetch, hybrid_group_size,
                       reshard_after_forward, sync_module_states, quantize)
-    state, reshard_groups, mesh = _make_runtime(ctx, choices, verify)
+    state, reshard_groups, form = _make_runtime(ctx, choices, verify)
     if fault_tolerance is not None:
         from ..fault_tolerance.cross_groups import start
         state.cross_groups = start(fault_tolerance, ctx.backend, ctx, state)
-    by_param = _shard_parameters(model, ctx, choices, state, mesh)
+    by_param = _shard_parameters(model, ctx, choices, state, form)
     _make_units(state, choices, by_param, reshard_groups)
     if not choices.sync and ctx.backend.capabilities.holds_values:
         check_replicas([(sp.fqn, sp.local) for sp in state.iter_params()], state.replica_group,
                        list(model.named_buffers()), ctx.world, ctx.backend, choices.device)
-    _hand_over(model, state, mesh)
+    _hand_over(model, state, form)
     return model
 
 
@@ -260,8 +259,8 @@ def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixe
 
 
 def _make_runtime(ctx: DistContext, choices: _Choices,
-                  verify: bool | None) -> tuple[ShardState, dict[int, Group], DeviceMesh | None]:
-    """The model's groups (released with it), its runtime state, and the DeviceMesh, if any."""
+                  verify: bool | None) -> tuple[ShardState, dict[int, Group], ParamForm]:
+    """The model's groups (released with it), its runtime state, and its parameter form."""
     be = ctx.backend
     maker = GroupMaker(be)
     shard_group, replica_group = make_groups(maker, ctx.world, choices.config.strategy,
@@ -274,9 +273,10 @@ def _make_runtime(ctx: DistContext, choices: _Choices,
         state.node_hops = make_node_hops(maker, ctx.world, shard_group,
                                          ctx.env.local_world_size or None)
     maker.release_with(state)
-    mesh = make_mesh(ctx.world, shard_group, replica_group, choices.device.type,
-                     _shard_device(choices, be).type, be.capabilities.torch_process_group)
-    return state, reshard_groups, mesh
+    form = choose_form(ctx.world, shard_group, replica_group, choices.device.type,
+                       be.capabilities.torch_process_group)
+    form.release_with(state)
+    return state, reshard_groups, form
 
 
 def _shard_device(choices: _Choices, backend: Backend) -> torch.device:
@@ -284,7 +284,7 @@ def _shard_device(choices: _Choices, backend: Backend) -> torch.device:
 
 
 def _shard_parameters(model: nn.Module, ctx: DistContext, choices: _Choices, state: ShardState,
-                      mesh: DeviceMesh | None) -> dict[int, ShardedParam]:
+                      form: ParamForm) -> dict[int, ShardedParam]:
     """Materialise a meta model, move buffers, copy rank 0's values where asked, and turn every
     parameter into its ShardedParam (each drops the module's reference to the full tensor)."""
     be, device, sync = ctx.backend, choices.device, choices.sync
@@ -296,7 +296,7 @@ def _shard_parameters(model: nn.Module, ctx: DistContext, choices: _Choices, sta
                                  requires_grad=value.requires_grad)
         sp = ShardedParam(plan.fqns, plan.owners, value, state.shard_group,
                           be.capabilities.shard_alignment, _shard_device(choices, be), device,
-                          choices.config.compute_dtype(value.dtype), be, mesh)
+                          choices.config.compute_dtype(value.dtype), be, form)
         sp.register(unsharded=False)  # drops the module's reference to the full tensor
         by_param[id(plan.param)] = sp
 
@@ -334,12 +334,11 @@ def _make_units(state: ShardState, choices: _Choices, by_param: dict[int, Sharde
         hooks.install(unit)
 
 
-def _hand_over(model: nn.Module, state: ShardState, mesh: DeviceMesh | None) -> None:
+def _hand_over(model: nn.Module, state: ShardState, form: ParamForm) -> None:
     """Make the model a sharded model: torch's idioms see whole parameters, state on the model."""
     remember_params(state)
     torch_norms.install()  # torch's clip_grad_norm_ now sees whole parameters
-    if mesh is not None:
-        refuse_partial_items()  # p.grad.norm().item() would be this rank's part
+    form.hand_over()
     state_dict_hooks.install(model)
     model.__dict__[STATE_ATTR] = state
     log_sharding(model, state)

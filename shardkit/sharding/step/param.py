@@ -7,9 +7,10 @@ on them: a weight-decay rule on `p.dim() >= 2` silently decays nothing when shar
 Flattened, rank r's shard is elements [r*shard_numel, (r+1)*shard_numel) of the row-major,
 right-padded parameter, so every collective works on flat views as before.
 The engine keeps each shard as that plain padded tensor (`local`); the sharded nn.Parameter (what
-the optimizer owns) is either the same rows or, where a DeviceMesh exists, a DTensor of the whole
-parameter whose local tensor is a view of `local`'s real rows (sharding/step/whole_view.py: torch's
-idioms then see whole parameters). It is registered on the owning module(s) outside
+the optimizer owns) is what the parameter's form makes of it (sharding/step/whole_view.py, chosen
+once at shard()): a DTensor of the whole parameter whose local tensor is a view of `local`'s real
+rows wherever a DeviceMesh exists (torch's idioms then see whole parameters), the padded rows
+themselves on a backend without one (XLA). It is registered on the owning module(s) outside
 forward/backward; the unsharded nn.Parameter (full shape, compute dtype) is registered while the
 unit computes. The unsharded one is the same Python object for the whole run, so tensors autograd
 saved in forward see the data again once it is re-gathered for backward.
@@ -25,7 +26,7 @@ from torch import nn
 from ...backend import Backend
 from ...handles import Group
 from .layout import shard_layout
-from .whole_view import local_of, placements, whole, whole_spec
+from .whole_view import ParamForm, local_of
 
 
 class ShardedParam:
@@ -34,7 +35,7 @@ class ShardedParam:
     def __init__(self, fqns: list[str], owners: list[tuple[nn.Module, str]], orig: nn.Parameter,
                  shard_group: Group, alignment: int, shard_device: torch.device,
                  compute_device: torch.device, compute_dtype: torch.dtype, backend: Backend,
-                 mesh: Any = None) -> None:
+                 form: ParamForm) -> None:
         self.fqns = fqns  # every name this parameter has (more than one when tied inside a unit)
         self.owners = owners  # (module, attribute) pairs to register the parameter on
         self.full_shape = orig.shape
@@ -45,8 +46,7 @@ class ShardedParam:
         self.requires_grad = orig.requires_grad
         self._backend = backend
         self.group_size = shard_group.size
-        # A DTensor's Shard(0) is torch.chunk's split: no alignment may widen the rows there.
-        layout = shard_layout(orig.shape, shard_group.size, 1 if mesh is not None else alignment)
+        layout = shard_layout(orig.shape, shard_group.size, form.alignment(alignment))
         self.padded_numel, self.shard_numel = layout.padded_numel, layout.shard_numel
         self.shard_shape = torch.Size(layout.shard_shape)
         self.offset = shard_group.rank * self.shard_numel
@@ -54,11 +54,11 @@ class ShardedParam:
         rows = self.full_shape[0] if self.full_shape else 1
         self.first_row = shard_group.rank * layout.rows_per_rank  # of the full tensor's dim 0
         self.valid_rows = max(0, min(layout.rows_per_rank, rows - self.first_row))
-        self.mesh = mesh
-        self._placements = placements(mesh, len(self.full_shape)) if mesh is not None else ()
+        self.form = form
+        self._placements = form.placements(len(self.full_shape))
         self._specs: dict[torch.dtype, Any] = {}  # the DTensorSpec per dtype (state may differ)
-        # Under a mesh a 0-d parameter is Replicate(): every rank holds its value, not rank 0 alone.
-        self.replicated_scalar = mesh is not None and not self.full_shape
+        # Replicated, a 0-d parameter's value is on every rank of its group, not rank 0 alone.
+        self.replicated_scalar = form.replicates_scalars() and not self.full_shape
         # The engine's shard: padded rows, what collectives read and the optimizer's updates land in.
         self.local = torch.zeros(self.shard_shape, dtype=self.master_dtype, device=shard_device)
         self.sharded = nn.Parameter(self.as_user(self.local), requires_grad=orig.requires_grad)
@@ -83,27 +83,16 @@ class ShardedParam:
         return self.fqns[0]
 
     @property
-    def is_whole(self) -> bool:
-        """True when the sharded parameter is a DTensor of the whole parameter (a mesh exists)."""
-        return self.mesh is not None
-
-    @property
     def user_shape(self) -> torch.Size:
         """The shape of the sharded parameter's own rows (a DTensor's local tensor: no padding)."""
-        if self.mesh is None or not self.full_shape:
-            return self.shard_shape
-        return torch.Size((self.valid_rows, *self.shard_shape[1:]))
+        return self.user_rows(torch.empty(self.shard_shape, device="meta")).shape
 
     def as_user(self, rows: torch.Tensor) -> torch.Tensor:
-        """What training code gets for a shard-shaped tensor: a DTensor over its real rows (no
-        copy) where a mesh exists, else the padded rows themselves."""
-        if self.mesh is None:
-            return rows
-        spec = self._specs.get(rows.dtype)
-        if spec is None:
-            spec = self._specs[rows.dtype] = whole_spec(self.mesh, self._placements,
-                                                        self.full_shape, rows.dtype)
-        return whole(self.user_rows(rows), spec)
+        """What training code gets for a shard-shaped tensor, made by the parameter's form: a
+        DTensor over its real rows (no copy), or the padded rows themselves."""
+        if rows.dtype not in self._specs:
+            self._specs[rows.dtype] = self.form.spec(self._placements, self.full_shape, rows.dtype)
+        return self.form.as_user(self.user_rows(rows), self._specs[rows.dtype])
 
     def as_rows(self, value: torch.Tensor) -> torch.Tensor:
         """The shard-shaped (padded) rows of a tensor laid out like the sharded parameter (its
@@ -176,14 +165,12 @@ class ShardedParam:
         if self.sharded.grad is None:
             # A view of the reduce output is fine: that buffer is exactly the shards, per step.
             self.sharded.grad = self.as_user(grad)
-        elif self.mesh is None:
-            self.sharded.grad.add_(grad)
         else:
             local_of(self.sharded.grad).add_(self.user_rows(grad))
 
     def user_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """The part of shard-shaped `rows` a DTensor parameter's local tensor covers (its real rows)."""
-        return rows if self.mesh is None or not self.full_shape else rows[:self.valid_rows]
+        """The part of shard-shaped `rows` the sharded parameter covers (a DTensor's real rows)."""
+        return self.form.user_rows(rows, self.valid_rows, len(self.full_shape))
 
     # ---- the gathered full tensor ------------------------------------------------------------
     def alloc_unsharded(self) -> None:

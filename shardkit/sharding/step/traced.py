@@ -39,7 +39,6 @@ from ...errors import ShardkitError
 from .casts import cast_inputs
 from .state import state_of
 from .collectives import row_sizes
-from .whole_view import local_rows_of
 
 if TYPE_CHECKING:
     from .unit import ShardUnit
@@ -168,7 +167,7 @@ def pre_forward(unit: "ShardUnit", module: torch.nn.Module, args: tuple, kwargs:
     """Traced: put the unit's gathered parameters on their modules (and cast inputs)."""
     # A DTensor parameter enters as its local rows (to_local is differentiable: the gradient
     # comes back as a DTensor of the whole parameter, as eagerly).
-    shards = [local_rows_of(p.sharded) if p.is_whole else p.sharded for p in unit.params]
+    shards = [p.form.autograd_rows(p.sharded) for p in unit.params]
     if unit.reshard_after_forward is False:
         full = gather_unit(shards, unit.graph_key)
     else:

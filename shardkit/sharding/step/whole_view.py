@@ -14,13 +14,15 @@ row split is torch.chunk's (ceil(rows / N) rows per rank, the last ranks short o
 what DTensor's Shard(0) means; a backend alignment that would widen the rows is not applied on
 this route (sharding/step/layout.py).
 
-Where the DTensor route applies (`make_mesh`): shard groups of more than one rank on a backend
-whose collectives run on torch.distributed process groups (a DeviceMesh is built from them), with
-the shards on the compute device's type (a DTensor's collectives run on its mesh's device type).
-Elsewhere parameters stay plain rows: one rank per shard group (NO_SHARD, a world of one) already
-holds whole parameters; a backend without torch process groups (XLA's device threads) has no
-mesh, and there torch's clip_grad_norm_ is covered by sharding/surface/torch_norms.py and the other
-idioms need shardkit.full_shape / full_tensor.
+One parameter form wherever a DeviceMesh can exist (`choose_form`, at shard(): a backend whose
+collectives run on torch.distributed process groups: cpu, cuda, xpu, composed pairs): every
+strategy, a world of one and cpu_offload included. A shard group of one rank (NO_SHARD, a world of
+one) holds whole parameters: Replicate() over the world. With cpu_offload on an accelerator the
+local rows live on the host and the mesh on the compute device's type, as FSDP2 lays them out.
+The one other form is `RowParams`, for a backend without torch process groups (XLA's device
+threads): no mesh can exist, the parameters are the plain padded rows, torch's clip_grad_norm_ is
+covered by sharding/surface/torch_norms.py and the other idioms need shardkit.full_shape /
+full_tensor. ShardedParam holds its form and asks it; no step-path code asks which one it is.
 
 HYBRID_SHARD's mesh has two dimensions, (replicas, shard group): rows are Shard(0) inside a shard
 group and Replicate() across replicas. A 0-d parameter cannot be split by rows: it is
@@ -31,6 +33,7 @@ collectives.share_replicated_scalars).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -38,13 +41,114 @@ import torch
 from ...handles import Group
 
 
-def make_mesh(world: Group, shard_group: Group, replica_group: Group | None, device_type: str,
-              shard_device_type: str, torch_process_group: bool) -> Any:
-    """The DeviceMesh DTensor parameters live on, or None where parameters stay plain rows."""
-    if shard_group.size <= 1 or not torch_process_group or shard_device_type != device_type:
+class WholeParams:
+    """The parameter form wherever a DeviceMesh exists: a DTensor of the whole parameter over
+    this rank's real rows (Shard(0) over the shard group, Replicate over replicas)."""
+
+    def __init__(self, mesh: Any, shard_group_size: int) -> None:
+        self.mesh = mesh
+        self.shard_group_size = shard_group_size
+
+    def alignment(self, backend_alignment: int) -> int:
+        """A DTensor's Shard(0) is torch.chunk's split: no alignment may widen the rows."""
+        return 1
+
+    def placements(self, ndim: int) -> tuple[Any, ...]:
+        """Shard(0) over the shard group (Replicate for a 0-d parameter or a group of one
+        rank), Replicate over replicas."""
+        return placements(self.mesh, ndim, self.shard_group_size)
+
+    def replicates_scalars(self) -> bool:
+        """A 0-d parameter is Replicate(): every rank of its shard group holds its value."""
+        return True
+
+    def spec(self, places: tuple[Any, ...], full_shape: torch.Size, dtype: torch.dtype) -> Any:
+        """The DTensorSpec of a whole parameter of `full_shape` and `dtype` on this mesh."""
+        return whole_spec(self.mesh, places, full_shape, dtype)
+
+    def user_rows(self, rows: torch.Tensor, valid_rows: int, ndim: int) -> torch.Tensor:
+        """The part of shard-shaped `rows` the user's tensor covers: its real rows."""
+        return rows[:valid_rows] if ndim else rows
+
+    def as_user(self, rows: torch.Tensor, spec: Any) -> torch.Tensor:
+        """The DTensor of `spec` over `rows` (the real rows, no copy)."""
+        return whole(rows, spec)
+
+    def autograd_rows(self, param: torch.Tensor) -> torch.Tensor:
+        """The parameter's rows through autograd (the gradient comes back as a DTensor)."""
+        return local_rows_of(param)
+
+    def hand_over(self) -> None:
+        """Process-wide idioms this form needs: p.grad.norm().item() of a part is refused."""
+        refuse_partial_items()
+
+    def release_with(self, owner: object) -> None:
+        """Once `owner` (the model's engine state) dies, have torch's op caches forget the mesh."""
+        weakref.finalize(owner, note_mesh_released).atexit = False
+
+
+class RowParams:
+    """The parameter form where no DeviceMesh can exist (a backend whose collectives run on
+    no torch process group: XLA's device threads): the plain padded rows themselves."""
+
+    mesh = None
+
+    def alignment(self, backend_alignment: int) -> int:
+        """The backend's own row alignment applies (nothing else reads the layout)."""
+        return backend_alignment
+
+    def placements(self, ndim: int) -> tuple[Any, ...]:
+        """No placements: there is no DTensor."""
+        return ()
+
+    def replicates_scalars(self) -> bool:
+        """A 0-d parameter lives on shard rank 0 alone, like every row."""
+        return False
+
+    def spec(self, places: tuple[Any, ...], full_shape: torch.Size, dtype: torch.dtype) -> Any:
+        """No spec: there is no DTensor."""
         return None
+
+    def user_rows(self, rows: torch.Tensor, valid_rows: int, ndim: int) -> torch.Tensor:
+        """The whole padded rows: the user's tensor is the shard itself."""
+        return rows
+
+    def as_user(self, rows: torch.Tensor, spec: Any) -> torch.Tensor:
+        """The rows themselves."""
+        return rows
+
+    def autograd_rows(self, param: torch.Tensor) -> torch.Tensor:
+        """The parameter itself: it is already the rows."""
+        return param
+
+    def hand_over(self) -> None:
+        """Nothing process-wide: torch_norms covers clip_grad_norm_ for plain rows."""
+
+    def release_with(self, owner: object) -> None:
+        """Nothing to release: no mesh."""
+
+
+ParamForm = WholeParams | RowParams
+
+
+def choose_form(world: Group, shard_group: Group, replica_group: Group | None, device_type: str,
+                torch_process_group: bool) -> ParamForm:
+    """The one place the parameter form is decided (at shard()): DTensor parameters on a
+    DeviceMesh wherever the backend's collectives run on torch process groups, else plain rows."""
+    if not torch_process_group:
+        return RowParams()
+    return WholeParams(make_mesh(world, shard_group, replica_group, device_type),
+                       shard_group.size)
+
+
+def make_mesh(world: Group, shard_group: Group, replica_group: Group | None,
+              device_type: str) -> Any:
+    """The DeviceMesh DTensor parameters live on (groups on torch process groups)."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    if shard_group.size <= 1:
+        # Every rank holds whole parameters (NO_SHARD, a world of one): Replicate() over the world.
+        return DeviceMesh.from_group(world.handle, device_type)
     if replica_group is None or replica_group.size <= 1:
         return DeviceMesh.from_group(shard_group.handle, device_type)
     # HYBRID: shard groups are consecutive blocks of the world, replicas stride across them
@@ -52,16 +156,52 @@ def make_mesh(world: Group, shard_group: Group, replica_group: Group | None, dev
     layout = torch.tensor(world.ranks, dtype=torch.int).view(replica_group.size, shard_group.size)
     if (tuple(layout[replica_group.rank].tolist()) != tuple(shard_group.ranks)
             or tuple(layout[:, shard_group.rank].tolist()) != tuple(replica_group.ranks)):
-        return None  # groups laid out otherwise: no mesh describes them; stay plain rows
+        raise AssertionError(f"shard groups {shard_group.ranks} and replica groups "
+                             f"{replica_group.ranks} are not the blocks and strides groups.py makes")
     return DeviceMesh.from_group([replica_group.handle, shard_group.handle], device_type,
                                  mesh=layout, mesh_dim_names=("replicate", "shard"))
 
 
-def placements(mesh: Any, ndim: int) -> tuple[Any, ...]:
-    """Shard(0) over the shard group (Replicate for a 0-d parameter), Replicate over replicas."""
+# torch's DTensor remembers the sharding of every op it has run (a Python lru_cache and its C++
+# fast path's cache), unbounded and keyed by specs that hold their DeviceMesh, so a dead model's
+# mesh (and its rank table) would stay for the life of the process. Clearing those caches from
+# the model's finalizer could pull an entry from under a dispatch that the collection
+# interrupted; the finalizer only counts the mesh, and the next shard() or shutdown() clears.
+_released_meshes = 0
+
+
+def note_mesh_released() -> None:
+    """Count a dead model's mesh, for forget_released_meshes (safe inside a finalizer)."""
+    global _released_meshes
+    _released_meshes += 1
+
+
+def forget_released_meshes() -> None:
+    """Drop torch's cached op shardings when a model's mesh has died since the last call."""
+    global _released_meshes
+    if not _released_meshes:
+        return
+    _released_meshes = 0
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cache in (propagator.propagate_op_sharding,
+                  getattr(propagator, "_propagate_tensor_meta_cached", None)):
+        if cache is not None and hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:  # newer torch keeps a C++ copy of the same cache
+        clear_fast_path()
+
+
+def placements(mesh: Any, ndim: int, shard_group_size: int) -> tuple[Any, ...]:
+    """Shard(0) over the shard group (Replicate for a 0-d parameter, or a group of one rank),
+    Replicate over replicas."""
     from torch.distributed.tensor import Replicate, Shard
 
-    rows = Shard(0) if ndim else Replicate()
+    rows = Shard(0) if ndim and shard_group_size > 1 else Replicate()
     return (Replicate(), rows) if mesh.ndim == 2 else (rows,)
 
 

@@ -16,6 +16,7 @@ from ...errors import ShardkitError
 from ..step.comms import check_custom_comm
 from ..step.state import ShardState
 from ..step.unit import ShardUnit
+from ..step.whole_view import local_of
 
 STATE_ATTR = "_shardkit_state"
 # original class -> its Sharded subclass: one class per model class, however many models shard().
@@ -140,8 +141,8 @@ class ShardedModule:
                     "for the compute device, or cpu_offload=True to keep the shards on the host")
         # torch would swap a DTensor parameter's contents (swap_tensors), which the weak
         # references shardkit keeps to it forbid; `fn` changes nothing there (checked above, and
-        # already applied to the rows it views), so those parameters sit the call out.
-        away = [(module, name, sp.sharded) for sp in params if sp.is_whole
+        # already applied to the rows it views), so the sharded parameters sit the call out.
+        away = [(module, name, sp.sharded) for sp in params
                 for module, name in sp.owners if module._parameters.get(name) is sp.sharded]
         for module, name, _ in away:
             module._parameters[name] = None
@@ -235,7 +236,12 @@ def _save_pretrained_refused(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # the DTensor parameters that no other rank joined: a hang until the collective timeout,
     # a folder with config.json and no weights. Called on every rank, safetensors refused the
     # DTensors' storage. export() is collective and writes what from_pretrained() reads.
-    if get_state(self).shard_group.size == 1:  # whole plain parameters: Hugging Face's own works
+    if get_state(self).shard_group.size == 1:
+        # Every rank holds whole parameters (Replicate DTensors): Hugging Face's own save works
+        # on their local tensors (safetensors reads a storage, which a DTensor has not).
+        given = kwargs.get("state_dict")
+        kwargs["state_dict"] = {name: local_of(value) for name, value in
+                                (self.state_dict() if given is None else given).items()}
         return super(type(self), self).save_pretrained(*args, **kwargs)  # type: ignore[misc]
     raise ShardkitError(
         "save_pretrained() of a model sharded by shardkit would write one rank's rows (or wait "
