@@ -91,11 +91,63 @@ def _int(environ: Mapping[str, str], name: str) -> int:
 
 def _local_size(environ: Mapping[str, str], var: str, launcher: str, world_size: int) -> int:
     raw = environ.get(var)
+    if raw is None and launcher == "slurm":
+        return _slurm_tasks_on_this_node(environ, world_size)
     if raw is None:
         return world_size
     if launcher == "slurm":  # SLURM_NTASKS_PER_NODE may read "4(x2)" on heterogeneous jobs
         raw = raw.split("(")[0]
     return _int({var: raw}, var)
+
+
+def _slurm_tasks_on_this_node(environ: Mapping[str, str], world_size: int) -> int:
+    """How many tasks srun started on this node: SLURM_NTASKS_PER_NODE is set only when the job
+    asked for --ntasks-per-node; SLURM_STEP_TASKS_PER_NODE (or SLURM_TASKS_PER_NODE) is always
+    there, one count per node in node order, runs compressed as "2(x3),1"."""
+    raw = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if not raw:
+        return world_size
+    counts: list[int] = []
+    for part in raw.split(","):
+        count, _, times = part.partition("(x")
+        counts += [_int({"SLURM_TASKS_PER_NODE": count}, "SLURM_TASKS_PER_NODE")] * (
+            _int({"SLURM_TASKS_PER_NODE": times.rstrip(")")}, "SLURM_TASKS_PER_NODE") if times else 1)
+    node = _int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
+    return counts[node] if node < len(counts) else counts[0]
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list, which srun writes compressed: "n[01-04,07],gpu3" is
+    n01, n02, n03, n04, n07, gpu3 (the leading zeros are part of the name)."""
+    name = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist
+    prefix, bracket, rest = name.partition("[")
+    if not bracket:
+        return prefix.strip()
+    first = rest.split("]")[0].split(",")[0].split("-")[0]
+    return prefix.strip() + first
+
+
+def _rendezvous_address(environ: Mapping[str, str], launcher: str, world_size: int,
+                        local_world_size: int) -> str:
+    """MASTER_ADDR where the launcher set it or it can be read off the job (SLURM's first node);
+    127.0.0.1 for a job on one node. A job across nodes with neither cannot guess rank 0's host:
+    every other node would wait on its own loopback until the timeout, so it is refused."""
+    if "MASTER_ADDR" in environ:
+        return environ["MASTER_ADDR"]
+    if local_world_size >= world_size or launcher in ("torchrun", "shardkit.spawn"):
+        return DEFAULT_MASTER_ADDR
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") \
+        or environ.get("SLURM_NODELIST")
+    if launcher == "slurm" and nodelist:
+        return first_host(nodelist)
+    how = {"openmpi": "mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=<free port> ...",
+           "mpich/intel-mpi": "mpiexec -genv MASTER_ADDR <host of rank 0> ...",
+           "slurm": "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | "
+                    "head -n 1) in the batch script"}[launcher]
+    raise ShardkitError(
+        f"{launcher} started {world_size} ranks over several nodes ({local_world_size} on this "
+        "one) and MASTER_ADDR is not set, so the ranks on other nodes cannot find rank 0's "
+        f"rendezvous (127.0.0.1 is each node's own). HINT: {how}")
 
 
 def job_identity(environ: Mapping[str, str] | None = None) -> str | None:
@@ -127,8 +179,9 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
                 port = None
             if launcher == "torchrun" and environ.get(JOB_ID_ENV, "").startswith(SPAWN_JOB_PREFIX):
                 launcher = "shardkit.spawn"
-            return LaunchEnv(rank, world_size, local_rank,
-                             _local_size(environ, local_size_var, launcher, world_size),
-                             addr, port, launcher, job_identity(environ))
+            local_size = _local_size(environ, local_size_var, launcher, world_size)
+            return LaunchEnv(rank, world_size, local_rank, local_size,
+                             _rendezvous_address(environ, launcher, world_size, local_size),
+                             port, launcher, job_identity(environ))
     lone_port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None
     return LaunchEnv(0, 1, 0, 1, addr, lone_port, "none", job_identity(environ))

@@ -56,6 +56,7 @@ def main() -> None:
     everyone: list = [None] * ctx.world_size
     dist.all_gather_object(everyone, {"rank": ctx.rank, "stats": measured, "digest": digest,
                                       "local_world_size": ctx.env.local_world_size,
+                                      "launcher": ctx.env.launcher,
                                       "node": os.environ.get("SIMCLUSTER_NODE")})
     state = full_state_dict(model)
     if ctx.rank == 0:

@@ -66,8 +66,44 @@ def test_openmpi_variables() -> None:
 def test_pmi_variables() -> None:
     """MPICH / Intel MPI set PMI_RANK and PMI_SIZE (local rank from MPI_LOCALRANKID)."""
     env = detect_launch_env({"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0",
-                             "MPI_LOCALNRANKS": "1"})
-    assert env == LaunchEnv(2, 3, 0, 1, "127.0.0.1", 29500, "mpich/intel-mpi")
+                             "MPI_LOCALNRANKS": "1", "MASTER_ADDR": "head"})
+    assert env == LaunchEnv(2, 3, 0, 1, "head", 29500, "mpich/intel-mpi")
+
+
+@pytest.mark.parametrize("environ, hint", [
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, "mpirun -x MASTER_ADDR="),
+    ({"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"},
+     "mpiexec -genv MASTER_ADDR"),
+    ({"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "4"},
+     "scontrol show hostnames"),
+])
+def test_a_job_across_nodes_without_a_rendezvous_host_is_refused(environ, hint) -> None:
+    """Each node's 127.0.0.1 is its own: the other nodes would wait there until the timeout."""
+    with pytest.raises(ShardkitError, match="MASTER_ADDR is not set") as err:
+        detect_launch_env(environ)
+    assert hint in str(err.value)
+
+
+@pytest.mark.parametrize("nodelist, first", [("n[01-04,07],gpu3", "n01"), ("gpu3,n[1-2]", "gpu3"),
+                                             ("node7", "node7"), ("a,b", "a"),
+                                             ("rack1-n[003-005]", "rack1-n003")])
+def test_slurm_node_lists_give_their_first_host(nodelist, first) -> None:
+    """srun compresses node lists; the first node (where srun puts task 0) is the rendezvous."""
+    env = detect_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NODEID": "0",
+                             "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": nodelist})
+    assert env.master_addr == first and env.local_world_size == 2
+
+
+def test_slurm_tasks_on_this_node_without_ntasks_per_node() -> None:
+    """SLURM_NTASKS_PER_NODE exists only under --ntasks-per-node; SLURM_TASKS_PER_NODE always."""
+    base = {"SLURM_PROCID": "7", "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "3(x2),2",
+            "SLURM_JOB_NODELIST": "n[1-3]"}
+    assert detect_launch_env({**base, "SLURM_NODEID": "2"}).local_world_size == 2
+    assert detect_launch_env({**base, "SLURM_NODEID": "1"}).local_world_size == 3
+    # A step's own layout wins over the allocation's.
+    assert detect_launch_env({**base, "SLURM_NODEID": "0",
+                              "SLURM_STEP_TASKS_PER_NODE": "4,4"}).local_world_size == 4
 
 
 def test_pmi_without_local_rank_uses_the_global_one() -> None:
@@ -79,14 +115,15 @@ def test_pmi_without_local_rank_uses_the_global_one() -> None:
 def test_slurm_variables() -> None:
     """srun sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_NTASKS_PER_NODE."""
     env = detect_launch_env({"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2",
-                             "SLURM_NTASKS_PER_NODE": "4", "MASTER_PORT": "4000"})
-    assert env == LaunchEnv(6, 8, 2, 4, "127.0.0.1", 4000, "slurm")
+                             "SLURM_NTASKS_PER_NODE": "4", "MASTER_PORT": "4000",
+                             "SLURM_JOB_NODELIST": "node[3-4]"})
+    assert env == LaunchEnv(6, 8, 2, 4, "node3", 4000, "slurm")
 
 
 def test_slurm_heterogeneous_tasks_per_node() -> None:
     """SLURM writes repeated counts as "4(x2)"; the count per node is the leading number."""
     env = detect_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "8",
-                             "SLURM_NTASKS_PER_NODE": "4(x2)"})
+                             "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "n[1-2]"})
     assert env.local_world_size == 4
 
 
