@@ -99,6 +99,12 @@ SCENARIOS = {s.name: s for s in (
                                           "--out", "run.json"),)),
     Scenario("no-shutdown-exit", (_py("-m", "shardkit", "launch", "--nproc", "2",
                                       str(ROOT / "tests" / "_clean_exit_script.py")),)),
+    # A restartable job with background saves to its end (issue 55: rank 0 aborted at exit once
+    # in tests/test_elastic_restart.py [background]); no restart allowed, so an abort fails it.
+    Scenario("elastic-background-saves",
+             (_py("-m", "shardkit", "launch", "--nproc", "2", "--max-restarts", "0",
+                  str(ROOT / "examples" / "elastic_resume.py"), "--ckpt-dir", "ckpt", "--steps",
+                  "40", "--every", "5", "--background", "--export", "final"),)),
     Scenario("background-save-then-reload",
              (_py("-m", "shardkit", "launch", "--nproc", "2", "save.py"), _py("reload.py")),
              files=(("save.py", BACKGROUND_SAVE), ("reload.py", RELOAD))),

@@ -50,10 +50,16 @@ def _exe(name: str) -> str:
 class SimSlurm:
     """slurmctld on node 0 and a slurmd on every node of a fresh SimCluster, in `workdir`."""
 
-    def __init__(self, nodes: int, workdir: str, cpus: int = 4) -> None:
+    def __init__(self, nodes: int, workdir: str, cpus: int = 4, slurmd_timeout: int = 30,
+                 requeue_delay: int = 120) -> None:
         self.cluster = SimCluster(nodes, hostnames=True)
         self.workdir = workdir
         self.cpus = cpus
+        # How long slurmctld waits on a silent slurmd before it marks the node DOWN (and requeues
+        # or ends its jobs), and how long a requeued job waits before it may start again: the job
+        # credential's lifetime (AuthInfo's cred_expire; SLURM's defaults 300 s and 120 s).
+        self.slurmd_timeout = slurmd_timeout
+        self.requeue_delay = requeue_delay
         self.conf = os.path.join(workdir, "slurm.conf")
         self._daemons: list[subprocess.Popen] = []
 
@@ -100,7 +106,7 @@ SlurmctldHost={self.names[0]}({self.cluster.address(0)})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={sock}
+AuthInfo=socket={sock},cred_expire={self.requeue_delay}
 CredType=cred/munge
 StateSaveLocation={w}/state
 SlurmdSpoolDir={w}/spool-%n
@@ -118,7 +124,7 @@ ReturnToService=2
 SchedulerType=sched/backfill
 JobRequeue=1
 SlurmctldTimeout=30
-SlurmdTimeout=30
+SlurmdTimeout={self.slurmd_timeout}
 InactiveLimit=0
 KillWait=5
 MinJobAge=300
@@ -130,16 +136,38 @@ MinJobAge=300
             # hierarchies again there (in the mount namespace ip gave it: the machine's own
             # mounts stay as they are).
             f.write("CgroupPlugin=cgroup/v1\nIgnoreSystemd=yes\n")
-        env = self.env()
         self._daemons.append(self.cluster.start(0, [_exe("slurmctld"), "-D", "-i", "-f", self.conf],
-                                                env=env, stdout=subprocess.DEVNULL,
+                                                env=self.env(), stdout=subprocess.DEVNULL,
                                                 stderr=subprocess.STDOUT))
-        for i, name in enumerate(self.names):
-            self._daemons.append(self.cluster.start(
-                i, ["sh", "-c", _MOUNT_CGROUPS + ' && exec "$@"', "slurmd",
-                    _exe("slurmd"), "-D", "-N", name, "-f", self.conf], env=env,
-                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        for i in range(len(self.names)):
+            self._start_slurmd(i)
         self.wait_idle(60)
+
+    def _start_slurmd(self, node: int) -> None:
+        self._daemons.append(self.cluster.start(
+            node, ["sh", "-c", _MOUNT_CGROUPS + ' && exec "$@"', "slurmd",
+                   _exe("slurmd"), "-D", "-N", self.names[node], "-f", self.conf], env=self.env(),
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+
+    def fail_node(self, node: int) -> list[int]:
+        """Kill every process of `node` at once (its slurmd, slurmstepd, the job's ranks), as a
+        node that loses power; returns the pids killed. Its address stays, refusing connections."""
+        listed = subprocess.run(["ip", "netns", "pids", self.cluster.names[node]],
+                                capture_output=True, text=True, check=True).stdout.split()
+        # Frozen first, all of them: killed one by one, a rank would outlive its launcher by a
+        # moment and run its parent-death SIGTERM handler, which a node losing power never does.
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in map(int, listed):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    continue
+        return [int(pid) for pid in listed]
+
+    def restore_node(self, node: int, timeout: float = 60) -> None:
+        """Start `node`'s slurmd again (a rebooted node) and wait until every node is idle."""
+        self._start_slurmd(node)
+        self.wait_idle(timeout)
 
     def run(self, argv: Sequence[str], timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
         """Run a command in node 0 (a login node) to completion."""

@@ -268,6 +268,40 @@ def test_ctrl_c_under_launch_is_one_line_and_exit_130(nproc, tmp_path):
     print(f"{nproc} ranks: Ctrl-C to exit {took:.1f} s")
 
 
+@pytest.mark.slow
+@pytest.mark.long  # ranks start, train, and are stopped: about 10 s on 2 cores
+@pytest.mark.parametrize("whom", ["launcher", "group"])
+def test_sigterm_from_outside_is_one_line_per_process_and_exit_143(whom, tmp_path):
+    # SLURM ends a job step (scancel, a time limit, a node failure's requeue) by SIGTERM to every
+    # process of it ("group"); `kill PID` of the launcher is the other way ("launcher"). Before:
+    # torch's agent's SignalException traceback (about 30 lines), and each rank said "a launcher
+    # does this to every rank once one failed: no failed rank known here" though none failed.
+    script = tmp_path / "train.py"
+    script.write_text(_TRAINING_LOOP)
+    proc = _launch(script, 2)
+    assert proc.stdout is not None
+    seen = ""
+    while seen.count("ready") < 2:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, seen
+        seen += line
+    time.sleep(0.5)  # inside the loop's collectives
+    (os.killpg if whom == "group" else os.kill)(proc.pid, signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=90)
+    said = [line for line in rest.splitlines() if line.strip()]
+    assert proc.returncode == 128 + signal.SIGTERM, rest
+    assert "Traceback" not in rest and "death signal" not in rest, rest
+    assert said[-1] == ("shardkit launch: stopped by SIGTERM from outside the job (a scheduler's "
+                        "cancel, time limit or requeue, or a kill); 2 ranks stopped"), rest
+    for line in said[:-1]:  # each rank's own line, if it spoke before it ended
+        # Its SIGTERM handler's, or its watchdog's when a peer's SIGTERM was read first (a rank
+        # blocked in a collective runs Python's handler only once the collective returns).
+        assert re.match(r"shardkit: rank [01] was terminated \(SIGTERM; from its launcher or a "
+                        r"scheduler; no rank is known to have failed", line) or re.match(
+            r"shardkit: rank [01] was terminated by SIGTERM \(from its launcher or a scheduler"
+            r".*HINT: nothing failed in training", line), rest
+
+
 _SAME_MISTAKE = """
 import torch
 from torch import nn

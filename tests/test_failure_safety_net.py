@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 import shardkit
 from shardkit.failure import node, watchdog_requested
-from shardkit.failure.watchdog import Watchdog
+from shardkit.failure import watchdog
+from shardkit.failure.watchdog import Failure, Watchdog
 from shardkit.job.spawn import free_port
 
 from _failure_workers import watchdog_state
@@ -65,6 +66,66 @@ def test_only_peers_of_the_same_node_are_checked_by_pid(monkeypatch, peer_node, 
     try:
         store.set("shardkit/failure/pid/1", f"{peer_node}:{_exited_pid()}")
         assert wd._dead_local_peers() == ([1] if local else [])
+    finally:
+        wd.finish()
+
+
+def test_a_report_names_the_host_of_a_peer_on_another_machine(monkeypatch):
+    # A SLURM node that went down: the survivors' report must say which machine to look at.
+    store = dist.HashStore()
+    wd = _watchdog(store, "hostA/boot-1/4026531836", monkeypatch)
+    try:
+        store.set("shardkit/failure/host/1", "gpu-node-17")
+        store.set("shardkit/failure/pid/1", f"gpu-node-17/boot-9/4026531836:{_exited_pid()}")
+        wd._dead_local_peers()  # the first tick reads every peer's pid and host once
+        failure = Failure(1, "stopped responding (no heartbeat for 31.0 s, timeout 30 s)")
+        message = wd.survivor_message([failure])
+        assert message.startswith("shardkit: rank 1 (on gpu-node-17) stopped responding (no "
+                                  "heartbeat for 31.0 s"), message
+        # Not "the failed rank's own error is the cause": a silent rank raised nothing.
+        assert "HINT: a rank stops responding when its process hangs" in message
+        assert "its machine went down or lost its network" in message
+        # A peer on this rank's own host is named by rank alone, as before.
+        wd._peer_hosts[1] = wd.host
+        assert wd.survivor_message([failure]).startswith("shardkit: rank 1 stopped responding")
+    finally:
+        wd.finish()
+
+
+def test_a_rank_ended_by_sigterm_is_reported_as_stopped_from_outside_never_as_the_cause(
+        monkeypatch):
+    # A scheduler's SIGTERM to every rank: a rank whose handler ran after a peer's had exited
+    # said "a launcher does this to every rank once one failed: rank 0 died" (2 runs in 12 of
+    # test_sigterm_from_outside_is_one_line_per_process_and_exit_143 beside a busy core).
+    store = dist.HashStore()
+    wd = _watchdog(store, "hostA/boot-1/4026531836", monkeypatch)
+    try:
+        stopped = Failure(1, watchdog.TERMINATED, posted=True)
+        alone = wd.survivor_message([stopped])
+        assert alone.startswith("shardkit: rank 1 was terminated by SIGTERM (from its launcher "
+                                "or a scheduler"), alone
+        assert "HINT: nothing failed in training: the job was stopped from outside" in alone
+        # Beside a real failure, the terminated rank is left out of the story.
+        raised = Failure(2, "raised ValueError: bad batch (in unit 'blocks.0', forward)", posted=True)
+        both = wd.survivor_message([stopped, raised])
+        assert both.startswith("shardkit: rank 2 raised ValueError") and "rank 1" not in both, both
+        # A rank whose launcher ended (the kernel's parent-death SIGTERM) points at the launcher.
+        orphan = wd.survivor_message([Failure(1, watchdog.ORPHANED, posted=True)])
+        assert "rank 1 was terminated by SIGTERM (the process that launched it ended)" in orphan
+        assert "HINT: a rank's launcher ended" in orphan, orphan
+        # What a peer reads once a rank posted it: a posted failure, so never "died".
+        peer = Watchdog.__new__(Watchdog)
+        peer.store, peer.peers = store, [0]
+        for orphaned, cause in ((False, watchdog.TERMINATED), (True, watchdog.ORPHANED)):
+            wd.mark_terminated(orphaned)
+            assert [(f.rank, f.cause, f.stopped) for f in peer.posted()] == [(0, cause, True)]
+        # A survivor that reported leaves what it saw for the rank its launcher stops next: on a
+        # SLURM node failure that rank saw no failure yet (the lost node's ranks were still
+        # within their heartbeat timeout) and said "stopped from outside".
+        assert wd.reported_by_a_peer() == ""
+        wd.acknowledge([stopped, raised])
+        assert wd.reported_by_a_peer() == (
+            "rank 2 raised ValueError: bad batch (in unit 'blocks.0', forward)")
     finally:
         wd.finish()
 

@@ -33,7 +33,11 @@ pytestmark = [pytest.mark.long, pytest.mark.timeout(600),
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    with SimSlurm(2, str(tmp_path_factory.mktemp("slurm"))) as cluster:
+    # Three nodes, so a job of two that loses one is requeued onto the other two; a node that
+    # stops answering is DOWN after 10 s and a requeued job may start 10 s later (SLURM's
+    # defaults, 300 s and 120 s, would only make the failure test wait).
+    with SimSlurm(3, str(tmp_path_factory.mktemp("slurm")), slurmd_timeout=10,
+                  requeue_delay=10) as cluster:
         yield cluster
 
 
@@ -64,8 +68,10 @@ def _same_training(ours: tuple[dict, dict], theirs: tuple[dict, dict]) -> None:
 
 
 def _user_env() -> dict[str, str]:
+    """A user's shell with this environment activated: its `shardkit` first on PATH."""
     env = child_env()
-    env.update(OMP_NUM_THREADS="1")
+    env.update(OMP_NUM_THREADS="1",
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")]))
     return env
 
 
@@ -83,24 +89,26 @@ def test_srun_starting_every_rank_trains_as_torchrun(slurm, torchrun_reference, 
     _same_training(ours, torchrun_reference)
 
 
-def _doc_sbatch_script() -> str:
+def _doc_sbatch_script(requeue: bool = False) -> str:
     with open(PAGE) as f:
         page = f.read()
     blocks = re.findall(r"```bash\n(.*?)```", page, re.S)
-    (script,) = [b for b in blocks if DOC_LAUNCH in b]
+    (script,) = [b for b in blocks if DOC_LAUNCH in b and ("--requeue" in b) == requeue]
+    return script
+
+
+def _sized(script: str, *replacements: tuple[str, str]) -> str:
+    """The page's script for these nodes (2 CPUs and 2 ranks each), the test's command for train.py."""
+    for page_text, here in (("--cpus-per-task=32", "--cpus-per-task=2"), ("--nproc 8", "--nproc 2"),
+                            *replacements):
+        assert page_text in script, page_text
+        script = script.replace(page_text, here)
     return script
 
 
 def test_the_docs_sbatch_script_trains_as_torchrun(slurm, torchrun_reference, tmp_path):
     out = str(tmp_path / "sbatch.json")
-    script = _doc_sbatch_script()
-    # The page's script as it is, sized to these nodes (2 CPUs and 2 ranks each), running the
-    # test's training script in place of train.py.
-    for page_text, here in (("--cpus-per-task=32", "--cpus-per-task=2"),
-                            ("--nproc 8", "--nproc 2"),
-                            ("train.py", f"{SCRIPT} {out} FULL_SHARD {STEPS}")):
-        assert page_text in script, page_text
-        script = script.replace(page_text, here)
+    script = _sized(_doc_sbatch_script(), ("train.py", f"{SCRIPT} {out} FULL_SHARD {STEPS}"))
     path = tmp_path / "train.sbatch"
     path.write_text(script)
     done = slurm.run(["sbatch", "--wait", f"--output={tmp_path}/slurm-%j.out", str(path)],
@@ -112,3 +120,98 @@ def test_the_docs_sbatch_script_trains_as_torchrun(slurm, torchrun_reference, tm
     assert {r["launcher"] for r in ranks} == {"torchrun"}
     assert [r["local_world_size"] for r in ranks] == [2, 2, 2, 2]
     _same_training(ours, torchrun_reference)
+
+
+RESUME_EXAMPLE = os.path.join(ROOT, "examples", "elastic_resume.py")
+RESUME_STEPS, RESUME_EVERY, KILL_AFTER = 120, 10, 30
+
+
+def _job(slurm: SimSlurm, job_id: str) -> dict[str, str]:
+    """scontrol's record of a job: {field: value}."""
+    done = slurm.run(["scontrol", "show", "job", "-o", job_id], timeout=30)
+    return dict(item.split("=", 1) for item in done.stdout.split() if "=" in item)
+
+
+def _hostnames(slurm: SimSlurm, nodelist: str) -> list[str]:
+    return slurm.run(["scontrol", "show", "hostnames", nodelist], timeout=30).stdout.split()
+
+
+def test_a_node_that_fails_requeues_the_docs_job_which_resumes_to_the_same_weights(slurm, tmp_path):
+    """Issue 56: kill every process of one node of a running 2 x 2 job (its slurmd, torchrun's
+    agent, two ranks). SLURM marks the node DOWN and requeues the job onto the two healthy nodes;
+    it resumes from the newest complete checkpoint and ends with the uninterrupted run's weights."""
+    import subprocess
+    import time
+
+    from safetensors.torch import load_file
+
+    import shardkit.checkpoint as ck
+
+    def args(ckpt: str, export: str) -> str:
+        return (f"{RESUME_EXAMPLE} --ckpt-dir {ckpt} --steps {RESUME_STEPS} "
+                f"--every {RESUME_EVERY} --export {export}")
+
+    reference = subprocess.run(
+        launch_cmd() + ["--nproc", "4", *args(str(tmp_path / "ref-ckpt"), str(tmp_path / "ref")).split()],
+        env=_user_env(), cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+
+    ckpt, log = str(tmp_path / "ckpt"), tmp_path / "job.out"
+    script = _sized(_doc_sbatch_script(requeue=True),
+                    ("train.py --ckpt-dir /shared/ckpt", args(ckpt, str(tmp_path / "requeued"))))
+    (tmp_path / "train.sbatch").write_text(script)
+    done = slurm.run(["sbatch", "--parsable", f"--output={log}", str(tmp_path / "train.sbatch")],
+                     timeout=60, **_user_env())
+    assert done.returncode == 0, done.stdout
+    job_id = done.stdout.strip().split(";")[0]
+
+    deadline = time.monotonic() + TIMEOUT
+    while not any(int(os.path.basename(p)[len("step_"):]) >= KILL_AFTER for p in ck.complete(ckpt)):
+        said = log.read_text()[-4000:] if log.exists() else "no log yet"
+        assert time.monotonic() < deadline, said
+        assert "Exited with exit code" not in said, said
+        time.sleep(0.1)
+    first = _job(slurm, job_id)
+    nodes = _hostnames(slurm, first["NodeList"])
+    (victim,) = [n for n in nodes if n != first["BatchHost"]]
+    assert slurm.fail_node(slurm.names.index(victim))
+    killed = time.monotonic()
+
+    state: dict[str, str] = {}
+    seen: dict[str, float] = {}  # when each job state was first seen after the kill
+    while time.monotonic() < deadline + TIMEOUT:
+        state = _job(slurm, job_id)
+        seen.setdefault(f"{state['JobState']}{state['Restarts']}", time.monotonic() - killed)
+        if state["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            break
+        time.sleep(0.5)
+    print("after the node was killed, seconds to each job state (state + restarts):",
+          {k: round(v, 1) for k, v in seen.items()})
+    text = log.read_text()
+    assert state["JobState"] == "COMPLETED", f"{state}\n{text[-6000:]}"
+    assert state["Restarts"] == "1", state
+    assert victim not in _hostnames(slurm, state["NodeList"]), state
+
+    # The log holds both attempts: the survivors' report names the lost ranks' host, SLURM names
+    # the node, and the second attempt starts from the newest complete checkpoint.
+    first_attempt, _, second_attempt = text.partition("attempt 1 on")
+    assert re.search(rf"shardkit: rank [23] \(on {victim}\) stopped responding", first_attempt), \
+        first_attempt[-4000:]
+    # Every rank that spoke names the lost node, also one its launcher stopped after a peer
+    # reported (its own check could not see the lost ranks yet: within their heartbeat timeout).
+    reports = re.findall(r"^shardkit: rank .*$", first_attempt, re.M)
+    assert reports and all(f"(on {victim})" in line for line in reports), reports
+    assert f"Node failure on {victim}" in first_attempt, first_attempt[-4000:]
+    resumed = re.search(r"resumed from \S+ at step (\d+)", second_attempt)
+    assert resumed and KILL_AFTER <= int(resumed.group(1)) < RESUME_STEPS, second_attempt[-4000:]
+    # Killed mid-run: at or past the checkpoint it resumed from, short of the end.
+    ran_first = max(int(s) for s in re.findall(r"^step (\d+) loss", first_attempt, re.M))
+    assert int(resumed.group(1)) <= ran_first < RESUME_STEPS, (resumed.group(1), ran_first)
+
+    ours = load_file(str(tmp_path / "requeued" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    for name, value in ours.items():
+        assert torch.equal(value, theirs[name]), name
+
+    slurm.restore_node(slurm.names.index(victim))  # for any test after this one

@@ -4,7 +4,9 @@ torchrun ends a failed job by raising its ChildFailedError out of its own `main`
 torchrun's Python traceback (about 20 lines of launcher frames) and a 25-line table in which the
 ranks torchrun itself stopped with SIGTERM show an empty traceback. The rank that failed has
 already printed its traceback and every survivor shardkit's one-line report, so this prints one
-line per rank saying how each ended, the root cause first, and exits 1 as torchrun does.
+line per rank saying how each ended, the root cause first, and exits 1 as torchrun does. A Ctrl-C
+or a signal from outside (a scheduler's SIGTERM: scancel, a time limit, a requeue) ends it with one
+line and 128 + the signal, where torchrun prints its agent's SignalException traceback.
 
     python -m shardkit.cli.launch_agent [torchrun options] -- script.py [script args]
 """
@@ -84,13 +86,13 @@ _SAID_BY_THE_SUMMARY = ("Sending process %s closing signal %s",
 
 class _SaidOnce(logging.Filter):
     """Drop torch's agent records that shardkit launch's own lines say: everything it logs while
-    it handles a Ctrl-C ("Received 2 death signal", "Sending process ... closing signal SIGINT"),
+    it handles a signal ("Received 2 death signal", "Sending process ... closing signal SIGINT"),
     told by the exception it is handling, and the per-rank lines the failure summary repeats."""
 
     @override
     def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(sys.exc_info()[1], "sigval", None) == signal.SIGINT:
-            return False
+        if getattr(sys.exc_info()[1], "sigval", None) is not None:
+            return False  # handling a signal: main() says it in one line
         return record.msg not in _SAID_BY_THE_SUMMARY
 
 
@@ -102,7 +104,7 @@ def _remove_error_markers() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run torchrun's agent on `argv`; on a failed job print describe_failures() and return 1;
-    on a Ctrl-C print one line and return 130."""
+    on a Ctrl-C or a SIGTERM/SIGHUP/SIGQUIT print one line and return 128 + the signal."""
     from torch.distributed.elastic.agent.server import api as agent_api
     from torch.distributed.elastic.multiprocessing import api as processes_api
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -117,13 +119,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run(args)
     except SignalException as exc:
-        if exc.sigval != signal.SIGINT:
-            raise
-        # Every rank got the same Ctrl-C from the terminal and stopped without a word.
-        print(f"shardkit launch: interrupted; {args.nproc_per_node} ranks stopped"
-              + (" on this node" if str(args.nnodes) not in ("1", "1:1") else ""),
+        where = " on this node" if str(args.nnodes) not in ("1", "1:1") else ""
+        if exc.sigval == signal.SIGINT:
+            # Every rank got the same Ctrl-C from the terminal and stopped without a word.
+            print(f"shardkit launch: interrupted; {args.nproc_per_node} ranks stopped{where}",
+                  file=sys.stderr, flush=True)
+            return INTERRUPTED_EXIT
+        # A scheduler ending the job (SLURM's scancel, a time limit, a node failure's requeue)
+        # or a kill: torch's agent stopped the ranks; its traceback would only show its frames.
+        name = signal.Signals(exc.sigval).name
+        print(f"shardkit launch: stopped by {name} from outside the job (a scheduler's cancel, "
+              f"time limit or requeue, or a kill); {args.nproc_per_node} ranks stopped{where}",
               file=sys.stderr, flush=True)
-        return INTERRUPTED_EXIT
+        return 128 + int(exc.sigval)  # as a shell reports a process that the signal ended
     except ChildFailedError as exc:
         root = exc.failures[root_cause(exc.failures)]
         if os.environ.get("TORCHELASTIC_ERROR_FILE") and os.path.isfile(root.error_file):

@@ -188,15 +188,26 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     # interrupted) may have claimed the report without printing it yet: give it a moment, then
     # speak for this rank ourselves.
     if wd is not None and (wd.claim_report() or not wd.report_written.wait(_SIGTERM_GRACE_S)):
+        orphaned = os.getppid() != _parent_at_start
+        # First: a peer may look for this process before it is gone.
+        wd.mark_terminated(orphaned)
         try:
-            failures = wd.check()
+            # Peers the same SIGTERM ended are not why this rank was stopped.
+            failures = [f for f in wd.check() if not f.stopped]
         except Exception:  # noqa: BLE001 - the store may be gone too
             failures = []
-        known = "; ".join(str(f) for f in failures) or "no failed rank known here"
-        if not failures and os.getppid() != _parent_at_start:
+        # A peer that stopped after reporting a failure is why the launcher stops this rank:
+        # what it reported says more than this rank sees (a remote rank still within timeout).
+        known = "; ".join(wd.describe(f) for f in failures) or wd.reported_by_a_peer()
+        if known:
+            why = f"a launcher does this to every rank once one failed: {known}"
+        elif orphaned:
             why = "the process that launched it ended"
         else:
-            why = f"a launcher does this to every rank once one failed: {known}"
+            # No rank failed: the job itself was ended (a scheduler's cancel, time limit or
+            # requeue, a kill of the launcher), and the launcher passed the signal on.
+            why = ("from its launcher or a scheduler; no rank is known to have failed, so the job "
+                   "was stopped from outside: scancel, a time limit, a requeue, or a kill")
         emit(f"shardkit: rank {wd.rank} was terminated (SIGTERM; {why}); it was in "
              f"{where.describe()}")
         wd.report_written.set()
@@ -271,7 +282,7 @@ def on_exception(exc: BaseException, printed: bool = False) -> BaseException:
             emit(message)
             launcher_record.record(message, "", failed_here=False)
             wd.report_written.set()
-            wd.acknowledge()
+            wd.acknowledge(failures)
             wd.linger(failures)
             wd.await_posters(failures)
             return _reported(PeerFailedError(message))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 import threading
 import time
@@ -28,8 +29,14 @@ from .node import node_identity, pid_alive
 PEER_FAILED_EXIT = 75
 _DONE = -(1 << 40)  # added to a heartbeat counter when its rank shuts down cleanly
 _DIED = "died (its process is gone: killed, or it exited without reporting an error)"
+_SILENT = "stopped responding"  # a peer whose heartbeat stopped: hung, or its machine is gone
 _UNREACHABLE = "is unreachable"  # the job's store host (rank 0 under spawn) stopped answering
 _PREFIX = "shardkit/failure/"
+# Posted by a rank as it ends by SIGTERM: its peers read that it was stopped, not that it died.
+_STOPPED = "was terminated by SIGTERM"
+TERMINATED = (f"{_STOPPED} (from its launcher or a scheduler: scancel, a time limit, a requeue, "
+              "or a kill)")
+ORPHANED = f"{_STOPPED} (the process that launched it ended)"
 _FINISHED = ("finished: it shut down cleanly (shardkit.shutdown() or the end of its script) while "
              "this rank still expected it in a collective")
 
@@ -49,6 +56,11 @@ class Failure:
     rank: int
     cause: str
     posted: bool = False  # the rank posted this itself: it is alive and reading the store
+
+    @property
+    def stopped(self) -> bool:
+        """The rank was ended by a SIGTERM (posted as it ended), not by a failure of its own."""
+        return self.cause.startswith(_STOPPED)
 
     @override
     def __str__(self) -> str:
@@ -71,6 +83,10 @@ class Watchdog:
         self.peers = [r for r in range(world_size) if r != rank]
         self._beats = {r: (-1, time.monotonic()) for r in self.peers}
         self._local_pids: dict[int, int] | None = None
+        # Each peer's host name, read once with the pids: a report names the machine of a peer
+        # that lives on another one (the node to look at, or the one that went down).
+        self.host = socket.gethostname()
+        self._peer_hosts: dict[int, str] = {}
         self._done: set[int] = set()  # peers that shut down cleanly or stopped after a failure
         # Under shardkit.spawn and plain env:// launches rank 0's process hosts the store; under
         # torchrun its agent does.
@@ -87,6 +103,7 @@ class Watchdog:
         # and its print must not end the process with nothing said.
         self.report_written = threading.Event()
         self._lock = threading.Lock()
+        store.set(f"{_PREFIX}host/{rank}", self.host)
         store.set(f"{_PREFIX}pid/{rank}", f"{self.node or '-'}:{os.getpid()}")
         store.add(f"{_PREFIX}hb/{rank}", 1)
         self._thread = threading.Thread(target=self._run, name="shardkit-watchdog", daemon=True)
@@ -186,7 +203,7 @@ class Watchdog:
             if count != last:
                 self._beats[rank] = (count, now)
             elif rank not in known and now - since > self.timeout:
-                failures.append(Failure(rank, f"stopped responding (no heartbeat for "
+                failures.append(Failure(rank, f"{_SILENT} (no heartbeat for "
                                               f"{now - since:.1f} s, timeout {self.timeout:g} s)"))
         return failures
 
@@ -205,7 +222,7 @@ class Watchdog:
         if self._local_pids is None:
             if cached_only:
                 return []
-            pids = {}
+            pids, hosts = {}, {}
             for rank in self.peers:
                 key = f"{_PREFIX}pid/{rank}"
                 if not self.store.check([key]):
@@ -213,6 +230,10 @@ class Watchdog:
                 node, _, pid = self.store.get(key).decode().rpartition(":")
                 if self.node is not None and node == self.node:
                     pids[rank] = int(pid)
+                host_key = f"{_PREFIX}host/{rank}"
+                if self.store.check([host_key]):  # absent only for a peer of an older shardkit
+                    hosts[rank] = self.store.get(host_key).decode()
+            self._peer_hosts = hosts
             self._local_pids = pids
         return [rank for rank, pid in self._local_pids.items() if not pid_alive(pid)]
 
@@ -231,7 +252,7 @@ class Watchdog:
             start = start or counts
             if time.monotonic() >= deadline:
                 # The job already failed, so a peer silent for the whole window is the suspect.
-                return [Failure(r, "stopped responding (no heartbeat while this rank waited "
+                return [Failure(r, f"{_SILENT} (no heartbeat while this rank waited "
                                    f"{wait:.1f} s after the collective failed)")
                         for r in self.peers if 0 <= counts[r] == start[r]]
             time.sleep(self.interval / 2)
@@ -255,10 +276,36 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the store may be gone with a peer; nothing to tell
             pass
 
+    def describe(self, failure: Failure) -> str:
+        """`failure` as a report says it: with the peer's host name where it is not this rank's."""
+        host = self._peer_hosts.get(failure.rank)
+        if host is None or host == self.host:
+            return str(failure)
+        return f"rank {failure.rank} (on {host}) {failure.cause}"
+
+    def mark_terminated(self, orphaned: bool) -> None:
+        """Post that this rank is ending by a SIGTERM, so a peer that finds its process gone
+        says it was stopped (and by what: `orphaned`, its launcher ended), not that it died."""
+        if self._detached:
+            return
+        try:
+            self.store.set(f"{_PREFIX}failed/{self.rank}", ORPHANED if orphaned else TERMINATED)
+            self.store.add(f"{_PREFIX}board", 1)
+        except Exception:  # noqa: BLE001 - the store may be gone already; nothing to tell
+            pass
+
     def survivor_message(self, failures: list[Failure]) -> str:
         """The error a rank left behind by `failures` prints."""
-        culprits = "; ".join(str(f) for f in failures)
-        if all(f.cause == _FINISHED for f in failures):
+        # A rank that a launcher stopped after another failed is not part of the story.
+        failures = [f for f in failures if not f.stopped] or failures
+        culprits = "; ".join(self.describe(f) for f in failures)
+        if all(f.cause == TERMINATED for f in failures):
+            cause = ("nothing failed in training: the job was stopped from outside, and this "
+                     "rank stops with it")
+        elif all(f.stopped for f in failures):
+            cause = ("a rank's launcher ended (killed, out of memory, or its machine went down): "
+                     "look at that launcher's output and at its host")
+        elif all(f.cause == _FINISHED for f in failures):
             cause = ("every rank must issue the same collectives: run the same number of steps "
                      "on every rank (equal batches per rank, e.g. DistributedSampler with "
                      "drop_last=True) and let each finish its loop before shutdown()")
@@ -269,6 +316,10 @@ class Watchdog:
             cause = ("look at the failed rank's own output (killed, out of memory, or crashed; a "
                      "crash inside a collective can mean the ranks issued different collectives: "
                      "SHARDKIT_DEBUG=1 names the first difference)")
+        elif all(f.cause.startswith(_SILENT) for f in failures):
+            cause = ("a rank stops responding when its process hangs (stopped, in a debugger, "
+                     "holding the GIL in a deadlock) or its machine went down or lost its network: "
+                     "look at that rank's own output and at its host")
         else:
             cause = "the failed rank's own error is the cause"
         return (f"shardkit: {culprits}. Rank {self.rank} stops too; it was in {where.describe()} "
@@ -290,7 +341,7 @@ class Watchdog:
         emit(message)
         launcher_record.record(message, "", failed_here=False)
         self.report_written.set()
-        self.acknowledge()
+        self.acknowledge(failures)
         self.linger(failures)
         self.await_posters(failures)
         if not self.may_exit:
@@ -358,15 +409,27 @@ class Watchdog:
             self._reported = True
             return True
 
-    def acknowledge(self) -> None:
-        """Count this rank as having reported a peer's failure (and not as a failure itself)."""
+    def acknowledge(self, failures: list[Failure] | None = None) -> None:
+        """Count this rank as having reported a peer's failure (and not as a failure itself);
+        with `failures`, leave them where a rank the launcher stops next can read them."""
         if self._detached:
             return
         try:
+            if failures:
+                shown = [f for f in failures if not f.stopped] or failures
+                self.store.set(f"{_PREFIX}reported", "; ".join(self.describe(f) for f in shown))
             self.store.add(f"{_PREFIX}hb/{self.rank}", _DONE)
             self.store.add(f"{_PREFIX}acks", 1)
         except Exception:  # noqa: BLE001
             pass
+
+    def reported_by_a_peer(self) -> str:
+        """The failures a peer reported before it stopped (acknowledge), or "" if none did."""
+        key = f"{_PREFIX}reported"
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else ""
+        except Exception:  # noqa: BLE001 - the store may be gone
+            return ""
 
 
 def emit(message: str) -> None:
