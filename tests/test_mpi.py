@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -82,6 +84,17 @@ exec ip netns exec "$host" unshare --uts sh -c "hostname $host && $*"
 """
 
 
+PAGE = os.path.join(ROOT, "docs", "guide", "multi-node.md")
+
+
+def _doc_mpirun_line() -> list[str]:
+    """The multi-node page's mpirun command, as words."""
+    with open(PAGE) as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    (block,) = [b for b in blocks if b.startswith("mpirun ")]
+    return shlex.split(block.replace("\\\n", " "))
+
+
 def _two_node_mpirun(cluster: SimCluster, tmp_path, out: str, master_addr: str | None,
                      ) -> subprocess.CompletedProcess:
     agent = tmp_path / "netns-agent"
@@ -90,12 +103,23 @@ def _two_node_mpirun(cluster: SimCluster, tmp_path, out: str, master_addr: str |
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{name} slots=2\n" for name in cluster.names))
     env = {**child_env(), "OMP_NUM_THREADS": "1"}
-    exported = ["-x", "OMP_NUM_THREADS", "-x", "PYTHONUNBUFFERED", "-x", "PATH"]
-    if master_addr is not None:
-        exported += ["-x", f"MASTER_ADDR={master_addr}", "-x", f"MASTER_PORT={free_port()}"]
-    argv = mpirun(4, "--hostfile", str(hostfile), "--map-by", "ppr:2:node",
-                  "--mca", "plm_rsh_agent", str(agent), "--mca", "oob_tcp_if_include", "eth0",
-                  *exported) + [sys.executable, SCRIPT, out, "FULL_SHARD", str(STEPS)]
+    # The page's command, sized to these nodes (2 ranks each) and naming this cluster's first
+    # node; what a root CI job on simulated nodes needs goes after `mpirun`.
+    page = {"8": "4", "hosts": str(hostfile), "ppr:4:node": "ppr:2:node",
+            "MASTER_ADDR=node1": f"MASTER_ADDR={master_addr}",
+            "MASTER_PORT=29500": f"MASTER_PORT={free_port()}", "python": sys.executable,
+            "train.py": SCRIPT}
+    words = _doc_mpirun_line()
+    assert set(page) <= set(words), words
+    argv = [page.get(word, word) for word in words]
+    if master_addr is None:  # the mistake the page warns of: no rendezvous address exported
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            at = next(i for i, w in enumerate(argv) if w.startswith(f"{name}="))
+            del argv[at - 1:at + 1]
+    argv[1:1] = mpirun(0)[1:-2] + ["--mca", "plm_rsh_agent", str(agent), "--mca",
+                                   "oob_tcp_if_include", "eth0", "-x", "OMP_NUM_THREADS", "-x",
+                                   "PYTHONUNBUFFERED", "-x", "PATH"]
+    argv += [out, "FULL_SHARD", str(STEPS)]
     proc = cluster.start(0, argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     stdout, _ = proc.communicate(timeout=TIMEOUT)
