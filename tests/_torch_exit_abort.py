@@ -5,9 +5,12 @@ shardkit engine in it) can end, after its work is done and written, with "termin
 without an active exception" (SIGABRT, exit -6): a C++ std::thread still joinable when its owner
 is destroyed. Seen in the long lane under load (torch's FSDP2 script 1 of 3 runs; Lightning's DDP
 reference once in a clean clone's `.ci/run`), and 0 times in 130 runs looped under two busy cores
-(Lightning's DDP script 0/30, a torch-only DDP script without destroy_process_group 0/100). Its
-owner is not found yet; until it is, a reference run that aborted this way is run again, and
-shardkit's own runs are held to exit 0 every time.
+(Lightning's DDP script 0/30, a torch-only DDP script without destroy_process_group 0/100). The
+same abort in shardkit's runs was a thread freeing tensors while the interpreter finalized (a
+background save's writer: Python ends a thread that asks for the GIL then, inside torch's noexcept
+~TensorImpl; found from a core dump, fixed in checkpoint/background.py). In these torch-only runs
+no core has been caught yet; until one is, a reference run that aborted this way is run again,
+and shardkit's own runs are held to exit 0 every time.
 """
 
 from __future__ import annotations

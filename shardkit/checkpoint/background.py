@@ -21,6 +21,7 @@ import shutil
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from . import manifest as mf
 from .dcp_io import FlatChunk
@@ -95,6 +96,10 @@ class BackgroundSave:
         if not self._finished.wait(timeout):
             raise TimeoutError(f"the background save to {self.path} is still being written "
                                f"after {timeout} s")
+        if self._thread is not threading.current_thread():
+            # Its last lines are running: once this returns the caller may end the process, and
+            # no writer may still run while the interpreter finalizes (see _run).
+            self._thread.join()
         if self._error is not None:
             raise self._error
         return self.path
@@ -116,10 +121,19 @@ class BackgroundSave:
                 _finish(job)
             _await_outcome(job)
         except BaseException as exc:  # noqa: BLE001 - kept and raised by wait() in the caller's thread
+            traceback.clear_frames(exc.__traceback__)  # its frames' locals hold the host copies
             self._error = exc if isinstance(exc, CheckpointError) else CheckpointError(
                 f"the background save to {job.path} failed: {type(exc).__name__}: {exc}")
         finally:
-            self._job = None  # the host copies go as soon as they are written
+            # The host copies are freed here, before anyone is told the save is over. Left to
+            # this frame's teardown, they were freed after the main thread, told, had gone on to
+            # exit: a tensor freed while the interpreter finalizes takes the GIL from torch's
+            # noexcept destructor, Python ends the thread there (pthread_exit), and the unwind
+            # through that destructor is std::terminate: "terminate called without an active
+            # exception", SIGABRT (issue 55; the core dump's writer thread was in
+            # ~TensorImpl -> decref_pyobject -> take_gil -> PyThread_exit_thread).
+            self._job = None
+            del job
             self._finished.set()
             _forget(self)
 
