@@ -1,5 +1,9 @@
 """Run multi-rank scenarios again and again beside a CPU hog, and count the runs that fail (issue 55).
 
+Scripts run as users run them; the scenarios whose pass is more than an exit status (a rank
+killed, a Ctrl-C, a second job, two simulated nodes, a group of a fault-tolerant job killed, a
+SLURM node failure) run the long-lane test that already holds their outcome.
+
     python benchmarks/soak.py --runs 50 --hog 2                  # every scenario, 50 runs each
     python benchmarks/soak.py --only torch-ddp-exit lightning-ddp --runs 200 --keep /tmp/soak
 
@@ -85,6 +89,13 @@ def _py(*args: str) -> tuple[str, ...]:
     return (sys.executable, *args)
 
 
+def _test(*node_ids: str) -> tuple[str, ...]:
+    """The long-lane tests that already drive a scenario and hold its outcome, by node id: a kill,
+    a Ctrl-C or a second job is expected to end some processes, so their test says what passes."""
+    return _py("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "long or not long",
+               "--rootdir", str(ROOT), *(str(ROOT / "tests" / node) for node in node_ids))
+
+
 SCENARIOS = {s.name: s for s in (
     Scenario("torch-ddp-exit", (_py("-m", "torch.distributed.run", "--nproc-per-node", "2",
                                     "script.py"),), files=(("script.py", TORCH_DDP_EXIT),)),
@@ -105,6 +116,26 @@ SCENARIOS = {s.name: s for s in (
              (_py("-m", "shardkit", "launch", "--nproc", "2", "--max-restarts", "0",
                   str(ROOT / "examples" / "elastic_resume.py"), "--ckpt-dir", "ckpt", "--steps",
                   "40", "--every", "5", "--background", "--export", "final"),)),
+    Scenario("elastic-restart-killed", (_test(
+        "test_elastic_restart.py::test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_"
+        "weights"),), timeout_s=600),
+    Scenario("kill-a-rank", (_test("test_failure_rank_dies.py::test_shardkit_launch_exits_non_"
+                                   "zero_with_the_culprit"),), timeout_s=600),
+    Scenario("two-jobs-one-machine", (_test("test_two_jobs.py::test_two_spawns_and_two_launches_"
+                                            "run_side_by_side"),), timeout_s=600),
+    Scenario("ctrl-c-demo", (_test("test_cli_startup.py::test_ctrl_c_ends_the_demo_quietly_"
+                                   "with_130"),), timeout_s=600),
+    Scenario("sigterm-from-outside", (_test("test_cli_startup.py::test_sigterm_from_outside_is_"
+                                            "one_line_per_process_and_exit_143"),), timeout_s=600),
+    Scenario("planner-measure", (_test("test_planner_measure.py::test_measure_trains_the_plan_"
+                                       "and_the_plan_holds"),), timeout_s=600),
+    Scenario("two-node-hybrid", (_test("test_multinode.py::test_two_nodes_train_like_one_process_"
+                                       "and_count_inter_node_bytes_as_planned"),), timeout_s=900),
+    Scenario("ft-hybrid-group-killed", (_test("test_fault_tolerance.py::test_a_killed_group_"
+                                              "restarts_and_rejoins_while_the_others_train_on"),),
+             timeout_s=900),
+    Scenario("slurm-node-failure", (_test("test_slurm.py::test_a_node_that_fails_requeues_the_docs_"
+                                          "job_which_resumes_to_the_same_weights"),), timeout_s=900),
     Scenario("background-save-then-reload",
              (_py("-m", "shardkit", "launch", "--nproc", "2", "save.py"), _py("reload.py")),
              files=(("save.py", BACKGROUND_SAVE), ("reload.py", RELOAD))),
