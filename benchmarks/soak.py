@@ -96,6 +96,28 @@ def _test(*node_ids: str) -> tuple[str, ...]:
                "--rootdir", str(ROOT), *(str(ROOT / "tests" / node) for node in node_ids))
 
 
+# Scenarios whose pass is more than an exit status, each run through the long-lane test that
+# holds its outcome: {name: (test node id under tests/, seconds allowed)}.
+TEST_SCENARIOS = {
+    "elastic-restart-killed": ("test_elastic_restart.py::test_a_killed_rank_restarts_and_resumes_"
+                               "to_the_uninterrupted_weights", 600),
+    "kill-a-rank": ("test_failure_rank_dies.py::test_shardkit_launch_exits_non_zero_with_the_"
+                    "culprit", 600),
+    "two-jobs-one-machine": ("test_two_jobs.py::test_two_spawns_and_two_launches_run_side_by_side",
+                             600),
+    "ctrl-c-demo": ("test_cli_startup.py::test_ctrl_c_ends_the_demo_quietly_with_130", 600),
+    "sigterm-from-outside": ("test_cli_startup.py::test_sigterm_from_outside_is_one_line_per_"
+                             "process_and_exit_143", 600),
+    "planner-measure": ("test_planner_measure.py::test_measure_trains_the_plan_and_the_plan_holds",
+                        600),
+    "two-node-hybrid": ("test_multinode.py::test_two_nodes_train_like_one_process_and_count_inter_"
+                        "node_bytes_as_planned", 900),
+    "ft-hybrid-group-killed": ("test_fault_tolerance.py::test_a_killed_group_restarts_and_rejoins_"
+                               "while_the_others_train_on", 900),
+    "slurm-node-failure": ("test_slurm.py::test_a_node_that_fails_requeues_the_docs_job_which_"
+                           "resumes_to_the_same_weights", 900),
+}
+
 SCENARIOS = {s.name: s for s in (
     Scenario("torch-ddp-exit", (_py("-m", "torch.distributed.run", "--nproc-per-node", "2",
                                     "script.py"),), files=(("script.py", TORCH_DDP_EXIT),)),
@@ -116,29 +138,11 @@ SCENARIOS = {s.name: s for s in (
              (_py("-m", "shardkit", "launch", "--nproc", "2", "--max-restarts", "0",
                   str(ROOT / "examples" / "elastic_resume.py"), "--ckpt-dir", "ckpt", "--steps",
                   "40", "--every", "5", "--background", "--export", "final"),)),
-    Scenario("elastic-restart-killed", (_test(
-        "test_elastic_restart.py::test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_"
-        "weights"),), timeout_s=600),
-    Scenario("kill-a-rank", (_test("test_failure_rank_dies.py::test_shardkit_launch_exits_non_"
-                                   "zero_with_the_culprit"),), timeout_s=600),
-    Scenario("two-jobs-one-machine", (_test("test_two_jobs.py::test_two_spawns_and_two_launches_"
-                                            "run_side_by_side"),), timeout_s=600),
-    Scenario("ctrl-c-demo", (_test("test_cli_startup.py::test_ctrl_c_ends_the_demo_quietly_"
-                                   "with_130"),), timeout_s=600),
-    Scenario("sigterm-from-outside", (_test("test_cli_startup.py::test_sigterm_from_outside_is_"
-                                            "one_line_per_process_and_exit_143"),), timeout_s=600),
-    Scenario("planner-measure", (_test("test_planner_measure.py::test_measure_trains_the_plan_"
-                                       "and_the_plan_holds"),), timeout_s=600),
-    Scenario("two-node-hybrid", (_test("test_multinode.py::test_two_nodes_train_like_one_process_"
-                                       "and_count_inter_node_bytes_as_planned"),), timeout_s=900),
-    Scenario("ft-hybrid-group-killed", (_test("test_fault_tolerance.py::test_a_killed_group_"
-                                              "restarts_and_rejoins_while_the_others_train_on"),),
-             timeout_s=900),
-    Scenario("slurm-node-failure", (_test("test_slurm.py::test_a_node_that_fails_requeues_the_docs_"
-                                          "job_which_resumes_to_the_same_weights"),), timeout_s=900),
     Scenario("background-save-then-reload",
              (_py("-m", "shardkit", "launch", "--nproc", "2", "save.py"), _py("reload.py")),
              files=(("save.py", BACKGROUND_SAVE), ("reload.py", RELOAD))),
+    *(Scenario(name, (_test(node),), timeout_s=seconds)
+      for name, (node, seconds) in TEST_SCENARIOS.items()),
 )}
 
 
