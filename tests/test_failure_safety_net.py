@@ -75,7 +75,6 @@ def test_a_report_names_the_host_of_a_peer_on_another_machine(monkeypatch):
     store = dist.HashStore()
     wd = _watchdog(store, "hostA/boot-1/4026531836", monkeypatch)
     try:
-        store.set("shardkit/failure/host/1", "gpu-node-17")
         store.set("shardkit/failure/pid/1", f"gpu-node-17/boot-9/4026531836:{_exited_pid()}")
         wd._dead_local_peers()  # the first tick reads every peer's pid and host once
         failure = Failure(1, "stopped responding (no heartbeat for 31.0 s, timeout 30 s)")

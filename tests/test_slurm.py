@@ -62,9 +62,13 @@ def _report(out: str) -> tuple[dict, dict]:
 
 def _same_training(ours: tuple[dict, dict], theirs: tuple[dict, dict]) -> None:
     assert ours[0]["losses"] == theirs[0]["losses"]
-    assert ours[1].keys() == theirs[1].keys()
-    for name, value in ours[1].items():
-        assert torch.equal(value, theirs[1][name]), name
+    _same_weights(ours[1], theirs[1])
+
+
+def _same_weights(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys()
+    for name, value in ours.items():
+        assert torch.equal(value, theirs[name]), name
 
 
 def _user_env() -> dict[str, str]:
@@ -208,10 +212,7 @@ def test_a_node_that_fails_requeues_the_docs_job_which_resumes_to_the_same_weigh
     ran_first = max(int(s) for s in re.findall(r"^step (\d+) loss", first_attempt, re.M))
     assert int(resumed.group(1)) <= ran_first < RESUME_STEPS, (resumed.group(1), ran_first)
 
-    ours = load_file(str(tmp_path / "requeued" / "model.safetensors"))
-    theirs = load_file(str(tmp_path / "ref" / "model.safetensors"))
-    assert ours.keys() == theirs.keys()
-    for name, value in ours.items():
-        assert torch.equal(value, theirs[name]), name
+    _same_weights(load_file(str(tmp_path / "requeued" / "model.safetensors")),
+                  load_file(str(tmp_path / "ref" / "model.safetensors")))
 
     slurm.restore_node(slurm.names.index(victim))  # for any test after this one

@@ -198,7 +198,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
             failures = []
         # A peer that stopped after reporting a failure is why the launcher stops this rank:
         # what it reported says more than this rank sees (a remote rank still within timeout).
-        known = "; ".join(wd.describe(f) for f in failures) or wd.reported_by_a_peer()
+        known = wd.culprits(failures) or wd.reported_by_a_peer()
         if known:
             why = f"a launcher does this to every rank once one failed: {known}"
         elif orphaned:

@@ -83,8 +83,9 @@ class Watchdog:
         self.peers = [r for r in range(world_size) if r != rank]
         self._beats = {r: (-1, time.monotonic()) for r in self.peers}
         self._local_pids: dict[int, int] | None = None
-        # Each peer's host name, read once with the pids: a report names the machine of a peer
-        # that lives on another one (the node to look at, or the one that went down).
+        # Each peer's host name, from the node identity read once with its pid: a report names
+        # the machine of a peer that lives on another one (the node to look at, or the one that
+        # went down).
         self.host = socket.gethostname()
         self._peer_hosts: dict[int, str] = {}
         self._done: set[int] = set()  # peers that shut down cleanly or stopped after a failure
@@ -103,7 +104,6 @@ class Watchdog:
         # and its print must not end the process with nothing said.
         self.report_written = threading.Event()
         self._lock = threading.Lock()
-        store.set(f"{_PREFIX}host/{rank}", self.host)
         store.set(f"{_PREFIX}pid/{rank}", f"{self.node or '-'}:{os.getpid()}")
         store.add(f"{_PREFIX}hb/{rank}", 1)
         self._thread = threading.Thread(target=self._run, name="shardkit-watchdog", daemon=True)
@@ -230,9 +230,8 @@ class Watchdog:
                 node, _, pid = self.store.get(key).decode().rpartition(":")
                 if self.node is not None and node == self.node:
                     pids[rank] = int(pid)
-                host_key = f"{_PREFIX}host/{rank}"
-                if self.store.check([host_key]):  # absent only for a peer of an older shardkit
-                    hosts[rank] = self.store.get(host_key).decode()
+                if node != "-":  # node_identity() starts with the host name
+                    hosts[rank] = node.partition("/")[0]
             self._peer_hosts = hosts
             self._local_pids = pids
         return [rank for rank, pid in self._local_pids.items() if not pid_alive(pid)]
@@ -276,6 +275,12 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the store may be gone with a peer; nothing to tell
             pass
 
+    def culprits(self, failures: list[Failure]) -> str:
+        """The failures a report names, described: a rank a launcher stopped after another failed
+        is not part of the story (named only when nothing else is known)."""
+        told = [f for f in failures if not f.stopped] or failures
+        return "; ".join(self.describe(f) for f in told)
+
     def describe(self, failure: Failure) -> str:
         """`failure` as a report says it: with the peer's host name where it is not this rank's."""
         host = self._peer_hosts.get(failure.rank)
@@ -296,9 +301,8 @@ class Watchdog:
 
     def survivor_message(self, failures: list[Failure]) -> str:
         """The error a rank left behind by `failures` prints."""
-        # A rank that a launcher stopped after another failed is not part of the story.
+        culprits = self.culprits(failures)
         failures = [f for f in failures if not f.stopped] or failures
-        culprits = "; ".join(self.describe(f) for f in failures)
         if all(f.cause == TERMINATED for f in failures):
             cause = ("nothing failed in training: the job was stopped from outside, and this "
                      "rank stops with it")
@@ -416,8 +420,7 @@ class Watchdog:
             return
         try:
             if failures:
-                shown = [f for f in failures if not f.stopped] or failures
-                self.store.set(f"{_PREFIX}reported", "; ".join(self.describe(f) for f in shown))
+                self.store.set(f"{_PREFIX}reported", self.culprits(failures))
             self.store.add(f"{_PREFIX}hb/{self.rank}", _DONE)
             self.store.add(f"{_PREFIX}acks", 1)
         except Exception:  # noqa: BLE001
