@@ -1,5 +1,6 @@
 """Per-rank workers: torch DCP checkpoints written by FSDP2 (its users' layout and torchtitan's)
-read by shardkit.checkpoint.load, at the world size that wrote them and another.
+read by shardkit.checkpoint.load, and shardkit's checkpoints read by FSDP2 through torch's own
+dcp.load, at the world size that wrote them and another.
 
 Every run trains TinyNet on the same global batch of 12 per step, split evenly over the ranks, so
 the global loss (the mean of the ranks' equal shares) is comparable across world sizes.
@@ -38,15 +39,8 @@ def _optimizer(model) -> torch.optim.Optimizer:
 
 def fsdp2_save_and_resume(rank: int, world: int, directory: str, layout: str) -> dict:
     """FSDP2 trains 2 steps, saves a DCP checkpoint in `layout`, and trains 2 more (its own resume)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(0)
-    model = TinyNet()
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = _fsdp2_model(world)
     opt = _optimizer(model)
     for step in range(2):
         _step(model, opt, step, rank, world)
@@ -89,3 +83,59 @@ def mismatch_run(rank: int, world: int, directory: str) -> str:
     except shardkit.checkpoint.StateDictMismatchError as exc:
         return str(exc)
     return "loaded"
+
+
+def _fsdp2_model(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = TinyNet()
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def shardkit_save_and_resume(rank: int, world: int, directory: str, background: bool) -> dict:
+    """shardkit trains 2 steps, saves with shardkit.checkpoint.save, and trains 2 more (its own resume)."""
+    from shardkit.checkpoint import full_state_dict
+
+    torch.manual_seed(0)
+    model = shardkit.shard(TinyNet(), auto_wrap_policy=shardkit.wrap.transformer_layers(
+        (type(TinyNet().blocks[0]),)))
+    opt = _optimizer(model)
+    for step in range(2):
+        _step(model, opt, step, rank, world)
+    saved = shardkit.checkpoint.save(directory, model, opt, extra={"step": 2},
+                                     background=background)
+    if background:
+        saved.wait()
+    losses = [_step(model, opt, step, rank, world) for step in range(2, 4)]
+    return {"losses": losses, "weights": full_state_dict(model, rank0_only=False)}
+
+
+def fsdp2_load_and_resume(rank: int, world: int, directory: str, with_optimizer: bool) -> dict:
+    """FSDP2 reads a shardkit checkpoint with torch's own dcp.load (torchtitan's layout: the
+    model's entries at the top level, the optimizer flattened under "optimizer"), then trains 2 steps."""
+    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    torch.manual_seed(1)  # other initial weights: the load must replace all of them
+    model = _fsdp2_model(world)
+    opt = _optimizer(model)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_sd = get_model_state_dict(model)
+    state = {**model_sd}
+    if with_optimizer:
+        state["optimizer"] = get_optimizer_state_dict(model, opt, options=flat)
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(model, {k: state[k] for k in model_sd})
+    steps_loaded = []
+    if with_optimizer:
+        set_optimizer_state_dict(model, opt, state["optimizer"], options=flat)
+        steps_loaded = [float(st["step"]) for st in opt.state.values()]
+    losses = [_step(model, opt, step, rank, world) for step in range(2, 4)]
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+            for k, v in get_model_state_dict(model).items()}
+    return {"losses": losses, "weights": full, "steps_loaded": steps_loaded,
+            "lr": [g["lr"] for g in opt.param_groups]}

@@ -12,6 +12,7 @@ import torch
 import shardkit
 import shardkit.checkpoint as ck
 from shardkit.checkpoint import manifest as mf
+from shardkit.checkpoint.dcp_io import FlatChunk
 
 from _optim_state import assemble_optim, local_optim
 from test_checkpoint_sharded import reference_net, sharded_net, train
@@ -82,11 +83,13 @@ def test_background_save_holds_the_step_it_was_called_at(tmp_path):
         assert r["extra_after_failure"]["step"] == 3
         assert len(r["reports"]) == 1 and r["reports"][0].startswith("ckpt" + mf.TMP_MARK)
     # Host memory held by the copies: every parameter and both AdamW moments once across the
-    # ranks (FULL_SHARD: no replicas, padding not stored), plus the persistent buffer on rank 0.
+    # ranks (FULL_SHARD: no replicas, padding not stored), plus on rank 0 the persistent buffer
+    # and AdamW's 0-d float32 step of every parameter (written for torch's readers).
     ref = reference_net()
     params = sum(p.numel() for p in ref.parameters())
     buffers = sum(b.numel() for n, b in ref.named_buffers() if n == "scale")
-    assert sum(r["host_bytes"] for r in out) == (3 * params + buffers) * 4
+    steps = len(list(ref.parameters()))
+    assert sum(r["host_bytes"] for r in out) == (3 * params + buffers + steps) * 4
     # No unfinished directory or failure report is left behind; the last save completed at shutdown.
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "last"]
     assert mf.read_manifest(str(tmp_path / "last"))["step"] == 5
@@ -157,7 +160,8 @@ def _host_copies_gone_when_wait_returns(rank, root):
     write_part, forget = background._write_part, background._forget
 
     def watched_write(job):
-        copies.extend(weakref.ref(chunk.local) for chunk in job.chunks.values())
+        copies.extend(weakref.ref(item.local) for item in job.chunks.values()
+                      if isinstance(item, FlatChunk))
         write_part(job)
 
     def slow_forget(handle):  # the writer's last lines, drawn out: the window of issue 55

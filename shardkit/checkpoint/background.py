@@ -24,7 +24,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from . import manifest as mf
-from .dcp_io import FlatChunk
+from .dcp_io import FlatChunk, SaveItem
 from .disk_full import NEARLY_FULL_BYTES, free_bytes, name_a_full_disk
 from .errors import CheckpointError
 from .host_io import write_metadata, write_rank
@@ -65,7 +65,7 @@ class SaveJob:
     rank: int
     world_size: int
     save_id: str
-    chunks: dict[str, FlatChunk]  # host copies, owned by the job
+    chunks: dict[str, SaveItem]  # host copies, owned by the job
     state_file: str
     state_blob: bytes  # rank 0's serialised `extra` and optimizer groups (empty elsewhere)
     info: dict
@@ -77,7 +77,8 @@ class BackgroundSave:
 
     def __init__(self, job: SaveJob) -> None:
         self.path = job.path
-        self.host_bytes = sum(c.local.numel() * c.local.element_size() for c in job.chunks.values())
+        self.host_bytes = sum(c.local.numel() * c.local.element_size() for c in job.chunks.values()
+                              if isinstance(c, FlatChunk))
         self._job: SaveJob | None = job
         self._error: BaseException | None = None
         self._finished = threading.Event()

@@ -1,16 +1,25 @@
-"""Sharded checkpoint I/O through torch.distributed.checkpoint (DCP), one flat 1-D chunk per rank and tensor.
+"""Sharded checkpoint I/O through torch.distributed.checkpoint (DCP), one block of whole rows per rank and tensor.
 
-The engine shards every parameter as a contiguous range of its flattened tensor, so each checkpoint
-entry is stored as a 1-D global tensor of ``full_numel`` elements and each rank contributes the chunk
-``[offset, offset + len(local))``. DCP's own resharding then serves any other split at load time.
+The engine shards every parameter by rows of its first dimension, so each rank's piece of a
+checkpoint entry is a rectangular chunk of the full tensor (rows ``[start, stop)``, every column):
+exactly what FSDP2 writes for its ``Shard(0)`` DTensors. The folder is therefore one that torch's
+own ``dcp.load`` reads into FSDP2's state dicts, and DCP's resharding serves any other split at
+load time. Checkpoints of format 1 stored the same bytes as 1-D tensors of the flattened
+parameter; a chunk built with the flattened shape reads them.
+
+What only rank 0 writes beside its chunks: whole tensors (buffers, an optimizer's step counters)
+and small Python values (an optimizer's param-group settings, as FSDP2's flattened optimizer state
+dict holds them), the latter as DCP's pickled byte entries. shardkit never reads those back (it
+keeps its own copy in its state file, loaded without unpickling code); they are there for torch.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import pickle
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -28,47 +37,95 @@ from .errors import CorruptCheckpointError
 METADATA_FILE = ".metadata"
 
 
-@dataclass
+@dataclass(frozen=True)
 class FlatChunk:
-    """This rank's piece ``[offset, offset + local.numel())`` of a flattened tensor of ``full_numel`` elements."""
+    """This rank's elements ``[offset, offset + local.numel())`` of a flattened tensor of shape
+    ``full_shape``: whole rows of it wherever the shape has dimensions (a row block on disk)."""
 
     local: torch.Tensor  # 1-D; written from on save, read into (in place) on load
     offset: int
-    full_numel: int
+    full_shape: tuple[int, ...]
+
+    @property
+    def full_numel(self) -> int:
+        """Elements of the whole tensor."""
+        return math.prod(self.full_shape)
+
+    def _block(self) -> tuple[list[int], list[int]]:
+        shape = list(self.full_shape)
+        if not shape:
+            return [], []
+        row = math.prod(shape[1:])
+        if row == 0 or self.full_numel == 0:  # an empty tensor: one empty chunk, the whole shape
+            return [0] * len(shape), shape
+        if self.offset % row or self.local.numel() % row:
+            raise ValueError(f"elements [{self.offset}, {self.offset + self.local.numel()}) are "
+                             f"not whole rows of a {tuple(shape)} tensor")
+        return [self.offset // row] + [0] * (len(shape) - 1), [self.local.numel() // row] + shape[1:]
 
     def chunk_metadata(self) -> ChunkStorageMetadata:
-        """The DCP chunk this piece occupies in the 1-D global tensor."""
-        return ChunkStorageMetadata(offsets=torch.Size([self.offset]),
-                                    sizes=torch.Size([self.local.numel()]))
+        """The DCP chunk this piece occupies in the full tensor."""
+        offsets, sizes = self._block()
+        return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+    def shaped(self) -> torch.Tensor:
+        """`local` viewed as its block of the full tensor (DCP narrows and copies into it)."""
+        return self.local.view(self._block()[1])
+
+
+@dataclass(frozen=True)
+class SavedObject:
+    """A small Python value rank 0 writes for torch's readers (DCP pickles it)."""
+
+    value: Any
+
+
+SaveItem = FlatChunk | SavedObject  # what save_chunks and write_rank take per key
+
+
+def with_copies(items: dict[str, SaveItem],
+                copy: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> dict[str, SaveItem]:
+    """The same items with every chunk's tensor replaced by `copy` of it (one call for all:
+    a backend's host copy or snapshot); objects are kept as they are."""
+    chunks = {k: item for k, item in items.items() if isinstance(item, FlatChunk)}
+    copies = copy([chunk.local for chunk in chunks.values()])
+    return {**items, **{k: replace(chunk, local=c) for (k, chunk), c in zip(chunks.items(), copies)}}
 
 
 class FlatChunkSavePlanner(DefaultSavePlanner):
-    """Writes one DCP shard per FlatChunk; dict keys are the checkpoint entry names."""
+    """Writes one DCP chunk per FlatChunk and one byte entry per SavedObject; dict keys are the
+    checkpoint entry names."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     @override
     def create_local_plan(self) -> SavePlan:
-        """One SHARD write item per chunk of this rank."""
+        """One SHARD write item per chunk of this rank, one BYTE_IO item per object."""
         items = []
-        for key, chunk in self.state_dict.items():
-            if not isinstance(chunk, FlatChunk):
-                raise TypeError(f"checkpoint entry {key!r} is {type(chunk).__name__}, not FlatChunk")
+        for key, entry in self.state_dict.items():
+            if isinstance(entry, SavedObject):
+                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+                continue
+            if not isinstance(entry, FlatChunk):
+                raise TypeError(f"checkpoint entry {key!r} is {type(entry).__name__}, not "
+                                "FlatChunk or SavedObject")
+            chunk = entry.chunk_metadata()
             items.append(WriteItem(
-                index=MetadataIndex(key, torch.Size([chunk.offset])),
+                index=MetadataIndex(key, chunk.offsets),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=chunk.chunk_metadata(),
-                    properties=TensorProperties.create_from_tensor(chunk.local),
-                    size=torch.Size([chunk.full_numel]))))
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(entry.local),
+                    size=torch.Size(entry.full_shape))))
         self.plan = SavePlan(items)
         return self.plan
 
     @override
     def lookup_object(self, index: MetadataIndex) -> Any:
-        """The local 1-D tensor behind a write item."""
-        return self.state_dict[index.fqn].local
+        """The block of rows (or the object) behind a write item."""
+        entry = self.state_dict[index.fqn]
+        return entry.value if isinstance(entry, SavedObject) else entry.shaped()
 
 
 class FlatChunkLoadPlanner(DefaultLoadPlanner):
@@ -93,19 +150,19 @@ class FlatChunkLoadPlanner(DefaultLoadPlanner):
         items = []
         for key, chunk in self.state_dict.items():
             md = self.metadata.state_dict_metadata.get(key)
-            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != (chunk.full_numel,):
+            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != chunk.full_shape:
                 found = None if md is None else getattr(md, "size", type(md).__name__)
                 raise CorruptCheckpointError(
-                    f"checkpoint entry {key!r}: expected a 1-D tensor of {chunk.full_numel} "
-                    f"elements in the DCP metadata, found {found}")
+                    f"checkpoint entry {key!r}: expected a tensor of shape {chunk.full_shape} "
+                    f"in the DCP metadata, found {found}")
             if chunk.local.numel():
                 items += create_read_items_for_chunk_list(key, md, [chunk.chunk_metadata()])
         return LoadPlan(items)
 
     @override
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        """The local 1-D tensor a read item lands in."""
-        return self.state_dict[index.fqn].local
+        """The block of rows a read item lands in (a view of the chunk's local tensor)."""
+        return self.state_dict[index.fqn].shaped()
 
     @override
     def load_bytes(self, read_item, value) -> None:
@@ -163,7 +220,7 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def save_chunks(directory: str, chunks: dict[str, FlatChunk], process_group: Any) -> None:
+def save_chunks(directory: str, chunks: dict[str, SaveItem], process_group: Any) -> None:
     """Collective: every rank writes its chunks (one file per rank) into `directory`."""
     dcp.save(chunks, storage_writer=FileSystemWriter(directory, single_file_per_rank=True,
                                                      sync_files=True),
@@ -186,12 +243,13 @@ class FlatTensorReader:
         self.reader.set_up_storage_reader(self.metadata, True)
 
     def read(self, key: str) -> torch.Tensor:
-        """Return the full 1-D tensor stored under `key`, assembled from every rank's chunks."""
+        """Return the full tensor stored under `key`, assembled from every rank's chunks."""
         md = self.metadata.state_dict_metadata[key]
         if not isinstance(md, TensorStorageMetadata):
             raise CorruptCheckpointError(f"{key} is stored as {type(md).__name__}, not a tensor")
         out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         planner = FlatChunkLoadPlanner()
-        planner.set_up_planner({key: FlatChunk(out, 0, out.numel())}, self.metadata, True)
+        planner.set_up_planner({key: FlatChunk(out.view(-1), 0, tuple(md.size))}, self.metadata,
+                               True)
         self.reader.read_data(planner.create_local_plan(), planner).wait()
         return out

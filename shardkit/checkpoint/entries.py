@@ -10,8 +10,11 @@ import torch
 from ..sharding.surface.views import ShardView, shard_views
 from .errors import CheckpointError
 
-MODEL_PREFIX = "model/"
-OPTIM_PREFIX = "optim/"
+# Entry names in the DCP folder. Format 2 names them as torchtitan lays out an FSDP2 model's state
+# (`{**get_model_state_dict(m), "optimizer": get_optimizer_state_dict(m, o, flattened)}`), so
+# torch's dcp.load fills those state dicts from a shardkit checkpoint; format 1 had its own.
+OPTIMIZER_PREFIX = "optimizer."
+_MODEL_PREFIX_FORMAT_1 = "model/"
 
 
 @dataclass
@@ -106,9 +109,20 @@ def is_shard_state(value: Any, view: ShardView) -> bool:
             and value.shape == view.param.shape)
 
 
+def model_key(name: str, format_version: int) -> str:
+    """Checkpoint entry name of a model's state_dict entry in a checkpoint of that format."""
+    return name if format_version >= 2 else _MODEL_PREFIX_FORMAT_1 + name
+
+
 def optim_key(fqn: str, state_key: str) -> str:
-    """Checkpoint entry name of one per-parameter optimizer state tensor."""
-    return f"{OPTIM_PREFIX}{fqn}/{state_key}"
+    """Checkpoint entry name of one per-parameter optimizer state value (torch's flattened name;
+    format 1's names are read from its manifest)."""
+    return f"{OPTIMIZER_PREFIX}state.{fqn}.{state_key}"
+
+
+def optim_group_key(fqn: str, setting: str) -> str:
+    """Checkpoint entry name of a param group's setting for one parameter (torch's flattened name)."""
+    return f"{OPTIMIZER_PREFIX}param_groups.{fqn}.{setting}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -21,7 +21,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from typing_extensions import override
 
 from . import collective
-from .dcp_io import FlatChunk, FlatChunkSavePlanner, _MetadataUnpickler, load_chunks
+from .dcp_io import (FlatChunk, FlatChunkSavePlanner, SaveItem, _MetadataUnpickler, load_chunks,
+                     with_copies)
 from .errors import CheckpointError
 
 PLAN_FILE = ".shardkit_plan_rank{rank}"
@@ -43,13 +44,7 @@ class _PlanUnpickler(_MetadataUnpickler):
         return super().find_class(module, name)
 
 
-def _host_chunks(backend: Any, chunks: dict[str, FlatChunk]) -> dict[str, FlatChunk]:
-    keys = list(chunks)
-    hosted = backend.to_host([chunks[k].local for k in keys])
-    return {k: FlatChunk(t, chunks[k].offset, chunks[k].full_numel) for k, t in zip(keys, hosted)}
-
-
-def write_rank(directory: str, chunks: dict[str, FlatChunk], rank: int) -> None:
+def write_rank(directory: str, chunks: dict[str, SaveItem], rank: int) -> None:
     """Write this rank's host chunks as DCP's ``__<rank>_0.distcp`` and leave its plan for write_metadata."""
     planner = FlatChunkSavePlanner()
     writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
@@ -85,9 +80,9 @@ def write_metadata(directory: str, world_size: int) -> None:
         os.remove(os.path.join(directory, PLAN_FILE.format(rank=rank)))
 
 
-def save_chunks_from_host(directory: str, chunks: dict[str, FlatChunk], ctx: Any) -> None:
+def save_chunks_from_host(directory: str, chunks: dict[str, SaveItem], ctx: Any) -> None:
     """Collective: write `chunks` as ``dcp.save`` would, through host copies and the backend's collectives."""
-    hosted = _host_chunks(ctx.backend, chunks)
+    hosted = with_copies(chunks, ctx.backend.to_host)
     failure = None
     try:
         write_rank(directory, hosted, ctx.rank)
@@ -103,7 +98,7 @@ def save_chunks_from_host(directory: str, chunks: dict[str, FlatChunk], ctx: Any
 
 def load_chunks_to_device(directory: str, chunks: dict[str, FlatChunk]) -> None:
     """Fill each FlatChunk in place (on its device) from this rank's overlap with the stored chunks."""
-    hosted = {k: FlatChunk(torch.empty(c.local.numel(), dtype=c.local.dtype), c.offset, c.full_numel)
+    hosted = {k: FlatChunk(torch.empty(c.local.numel(), dtype=c.local.dtype), c.offset, c.full_shape)
               for k, c in chunks.items()}
     load_chunks(directory, hosted, no_dist=True)
     with torch.no_grad():

@@ -19,7 +19,9 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 MANIFEST_FILE = "shardkit_manifest.json"
 STATE_FILE = "shardkit_state.pt"  # rank 0's pickle-free blob: `extra` and small optimizer state
 FORMAT = "shardkit-checkpoint"
-FORMAT_VERSION = 1
+# 2: entries named and shaped as FSDP2's state dicts (torch's dcp.load reads the folder); 1: shards
+# flattened to 1-D under shardkit's own names (still read).
+FORMAT_VERSION = 2
 OLD_SUFFIX = ".old"
 TMP_MARK = ".tmp-"
 _HASH_BLOCK = 1 << 22

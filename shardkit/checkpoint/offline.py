@@ -7,7 +7,7 @@ from typing import Any
 
 from . import manifest as mf
 from .dcp_io import FlatTensorReader
-from .entries import MODEL_PREFIX, dtype_from_name
+from .entries import dtype_from_name, model_key
 from .errors import CorruptCheckpointError
 from .safetensors_io import DEFAULT_MAX_SHARD_SIZE, SafetensorsLayout, is_weights_dir
 
@@ -37,7 +37,8 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike,
     layout.create(tmp)
     reader = FlatTensorReader(directory)
     for name, md in model.items():
-        layout.write(tmp, name, reader.read(MODEL_PREFIX + name).view(tuple(md["shape"])))
+        stored = reader.read(model_key(name, manifest.get("format_version", 1)))
+        layout.write(tmp, name, stored.view(tuple(md["shape"])))
     layout.finish(tmp)
     mf.replace_dir(tmp, out)
     return out

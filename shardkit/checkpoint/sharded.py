@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import math
 import os
 import shutil
 from typing import Any
@@ -15,10 +16,10 @@ from ..errors import ShardkitError
 from ..sharding.surface.views import ShardView, sharding_info
 from ..sharding.step.whole_view import local_of
 from . import collective, manifest as mf
-from .dcp_io import FlatChunk, load_chunks, save_chunks
+from .dcp_io import FlatChunk, SaveItem, SavedObject, load_chunks, save_chunks, with_copies
 from .disk_full import name_a_full_disk
-from .entries import (MODEL_PREFIX, Entry, dtype_from_name, dtype_name, is_shard_state,
-                      model_entries, optim_key, optimizer_views)
+from .entries import (Entry, dtype_from_name, dtype_name, is_shard_state, model_entries,
+                      model_key, optim_group_key, optim_key, optimizer_views)
 from .errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError
 from .host_io import load_chunks_to_device, save_chunks_from_host
 from .torch_dcp import load_torch_dcp
@@ -45,20 +46,24 @@ def _check_weights_only(obj: Any, what: str) -> bytes:
     return buf.getvalue()
 
 
-def _chunk(local: torch.Tensor, view: ShardView, reading: bool = False) -> FlatChunk:
-    # Shards keep their parameter's dimensions; on disk each is its flat slice of the flattened
-    # full tensor (a view, so loading fills `local` in place).
+def _stored_shape(shape, format_version: int = mf.FORMAT_VERSION) -> tuple[int, ...]:
+    # Format 1 stored every tensor flattened to 1-D; format 2 keeps its shape, as FSDP2 does.
+    shape = tuple(int(s) for s in shape)
+    return shape if format_version >= 2 else (math.prod(shape),)
+
+
+def _chunk(local: torch.Tensor, view: ShardView, reading: bool = False,
+           format_version: int = mf.FORMAT_VERSION) -> FlatChunk:
+    # A shard is whole rows of its parameter: elements [offset, offset + valid_numel) of the
+    # flattened full tensor (a view, so loading fills `local` in place).
+    shape = _stored_shape(view.full_shape, format_version)
     if reading and view.replicated:  # every rank holds it; shard rank 0 wrote it
-        return FlatChunk(local.detach().view(-1), 0, _numel(view.full_shape))
-    return FlatChunk(local.detach().view(-1)[:view.valid_numel], view.offset,
-                     _numel(view.full_shape))
+        return FlatChunk(local.detach().view(-1), 0, shape)
+    return FlatChunk(local.detach().view(-1)[:view.valid_numel], view.offset, shape)
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+def _whole(tensor: torch.Tensor) -> FlatChunk:
+    return FlatChunk(tensor.detach().reshape(-1), 0, tuple(tensor.shape))
 
 
 def _writes(view: ShardView) -> bool:
@@ -122,28 +127,27 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     state_blob = collective.on_rank0(ctx, "serialising `extra`", lambda: _check_weights_only(
         {"extra": extra, "optim_groups": groups, "optim_small": small}, "extra"))
 
-    chunks: dict[str, FlatChunk] = {}
+    chunks: dict[str, SaveItem] = {}
     for e in entries:
         if e.view is not None:
             # An empty parameter still needs one (empty) chunk for DCP to record it.
             if _writes(e.view) or (e.numel == 0 and ctx.rank == 0):
-                chunks[MODEL_PREFIX + e.name] = _chunk(e.view.local, e.view)
+                chunks[model_key(e.name, mf.FORMAT_VERSION)] = _chunk(e.view.local, e.view)
         elif ctx.rank == 0:
             assert e.buffer is not None  # an Entry is a parameter or a buffer
-            chunks[MODEL_PREFIX + e.name] = FlatChunk(e.buffer.detach().reshape(-1), 0, e.numel)
+            chunks[model_key(e.name, mf.FORMAT_VERSION)] = _whole(e.buffer)
     for (fqn, key), (view, value) in shards.items():
         if _writes(view):
             chunks[optim_key(fqn, key)] = _chunk(value, view)
+    if ctx.rank == 0 and groups is not None:
+        chunks.update(_for_torch_readers(small, groups))
 
     save_id = f"{collective.shared_token(ctx):012x}"
     tmp = f"{path}{mf.TMP_MARK}{save_id}"
     info = {**_info(model, entries, shards, ctx, extra, step, optimizer), "save_id": save_id}
     collective.on_rank0(ctx, f"creating {tmp}", lambda: _make_tmp(path, tmp))
     if background:
-        keys = list(chunks)
-        copies = ctx.backend.snapshot_to_host([chunks[k].local for k in keys])
-        hosted = {k: FlatChunk(c, chunks[k].offset, chunks[k].full_numel)
-                  for k, c in zip(keys, copies)}
+        hosted = with_copies(chunks, ctx.backend.snapshot_to_host)
         return bg.start(bg.SaveJob(path, tmp, ctx.rank, ctx.world_size, save_id, hosted,
                                    mf.STATE_FILE, state_blob or b"", info, timeout_s))
     _write_shards(ctx, path, tmp, chunks)
@@ -159,7 +163,24 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     return path
 
 
-def _write_shards(ctx, path: str, tmp: str, chunks: dict[str, FlatChunk]) -> None:
+def _for_torch_readers(small: dict, groups: list[dict]) -> dict[str, SaveItem]:
+    """Rank 0's entries that only torch's readers need: what FSDP2's flattened optimizer state
+    dict holds besides the sharded state (step counters, each parameter's group settings).
+    shardkit's own load reads them from its state file instead."""
+    out: dict[str, SaveItem] = {}
+    for fqn, values in small.items():
+        for key, value in values.items():
+            out[optim_key(fqn, key)] = (_whole(value) if isinstance(value, torch.Tensor)
+                                        else SavedObject(value))
+    for group in groups:
+        for fqn in group["params"]:
+            for setting, value in group.items():
+                if setting != "params":
+                    out[optim_group_key(fqn, setting)] = SavedObject(value)
+    return out
+
+
+def _write_shards(ctx, path: str, tmp: str, chunks: dict[str, SaveItem]) -> None:
     """Every rank writes its shard file; a failure on any rank (disk full) raises on all, saying where."""
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -281,6 +302,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
     manifest = mf.read_manifest(directory)
     if verify:
         verify_files(ctx, directory, manifest)
+    version = manifest.get("format_version", 1)
     entries = model_entries(model)
     expected = {e.name: e.shape for e in entries}
     found = {k: tuple(v["shape"]) for k, v in manifest["model"].items()}
@@ -295,7 +317,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
         if e.name not in found:
             continue  # strict=False: the model keeps what it has
         if e.view is not None:
-            chunks[MODEL_PREFIX + e.name] = _chunk(e.view.local, e.view, reading=True)
+            chunks[model_key(e.name, version)] = _chunk(e.view.local, e.view, True, version)
         else:
             assert e.buffer is not None  # an Entry is a parameter or a buffer
             if e.buffer.is_contiguous():
@@ -303,8 +325,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
             else:
                 target = e.buffer.reshape(-1).clone()
                 pending.append((e.buffer, target))
-            chunks[MODEL_PREFIX + e.name] = FlatChunk(target, 0, e.numel)
-    optim_sd = _prepare_optimizer(model, optimizer, manifest, state, chunks) if optimizer else None
+            chunks[model_key(e.name, version)] = FlatChunk(target, 0, _stored_shape(e.shape, version))
+    optim_sd = (_prepare_optimizer(model, optimizer, manifest, state, chunks, version)
+                if optimizer else None)
     if ctx.backend.capabilities.torch_process_group:
         load_chunks(directory, chunks, ctx.world.handle)
     else:
@@ -334,7 +357,8 @@ def check_optimizer_class(manifest: dict, optimizer: torch.optim.Optimizer, dire
             "optimizer.")
 
 
-def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: dict) -> dict:
+def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: dict,
+                       version: int) -> dict:
     saved_groups = state.get("optim_groups")
     if saved_groups is None:
         raise CheckpointError("the checkpoint holds no optimizer state. HINT: call "
@@ -363,7 +387,7 @@ def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: di
                 # Shaped like the shard, also for checkpoints written when shards were 1-D.
                 target = torch.zeros(view.local.shape, dtype=dtype_from_name(md["dtype"]),
                                      device=view.local.device)
-                chunks[key] = _chunk(target, view)
+                chunks[key] = _chunk(target, view, format_version=version)
                 per_param[md["state"]] = view.as_user(target)  # its rows are views of target
             if per_param:
                 out_state[index] = per_param

@@ -7,7 +7,8 @@ fan-in scaling, matrix optimizers) are the unsharded model's. A 0-d parameter is
 element and stays 0-d. Missing rows pad the end, which makes the rank-major concatenation of
 the shards exactly the row-major flattening of the parameter followed by padding: the engine's
 flat collectives stay flat, and rank r's shard is elements [r*shard_numel, (r+1)*shard_numel)
-of the flattened, padded tensor, as it was when shards were 1-D (checkpoints keep their format).
+of the flattened, padded tensor, as it was when shards were 1-D (a checkpoint stores its valid
+elements as that block of rows of the whole tensor, as FSDP2 does).
 
 Pure integer arithmetic shared by the engine (ShardedParam) and the planner, so the bytes the
 planner predicts are the bytes the engine allocates and sends.
