@@ -215,3 +215,34 @@ def test_a_save_never_replaces_a_folder_that_is_not_a_shardkit_checkpoint(tmp_pa
     _complete_checkpoint(tmp_path / "ours", b"0123")
     (tmp_path / "empty").mkdir()
     assert mf.is_checkpoint_dir(str(tmp_path / "ours")) and mf.is_checkpoint_dir(str(tmp_path / "empty"))
+
+
+def _save_a_model_named_like_the_optimizer(rank, root):
+    import shardkit
+    import shardkit.checkpoint as ckpt
+
+    model = shardkit.shard(torch.nn.ModuleDict(
+        {"optimizer": torch.nn.ModuleDict({"state": torch.nn.Linear(2, 2)})}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        ckpt.save(os.path.join(root, "ckpt"), model, opt)
+        said = "saved"
+    except CheckpointError as exc:
+        said = str(exc)
+    left = sorted(os.listdir(root))
+    ckpt.save(os.path.join(root, "model_only"), model)  # the model's names alone are fine
+    return said, left
+
+
+@pytest.mark.slow  # a spawned rank
+def test_a_model_entry_named_like_the_optimizers_is_refused_before_anything_is_written(tmp_path):
+    # A checkpoint keeps the model's names at the top level beside `optimizer.state.*`
+    # (torchtitan's layout): such a name could take the place of the optimizer's entry.
+    import shardkit
+
+    said, left = shardkit.spawn(_save_a_model_named_like_the_optimizer, 1, str(tmp_path),
+                                backend="cpu", threads_per_rank=1)[0]
+    assert "optimizer.state.weight" in said and "HINT" in said, said
+    assert left == []
+    assert mf.read_manifest(str(tmp_path / "model_only"))["model"].keys() == {
+        "optimizer.state.weight", "optimizer.state.bias"}

@@ -18,8 +18,8 @@ from ..sharding.step.whole_view import local_of
 from . import collective, manifest as mf
 from .dcp_io import FlatChunk, SaveItem, SavedObject, load_chunks, save_chunks, with_copies
 from .disk_full import name_a_full_disk
-from .entries import (Entry, dtype_from_name, dtype_name, is_shard_state, model_entries,
-                      model_key, optim_group_key, optim_key, optimizer_views)
+from .entries import (OPTIMIZER_PREFIX, Entry, dtype_from_name, dtype_name, is_shard_state,
+                      model_entries, model_key, optim_group_key, optim_key, optimizer_views)
 from .errors import CheckpointError, CorruptCheckpointError, StateDictMismatchError
 from .host_io import load_chunks_to_device, save_chunks_from_host
 from .torch_dcp import load_torch_dcp
@@ -127,6 +127,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     state_blob = collective.on_rank0(ctx, "serialising `extra`", lambda: _check_weights_only(
         {"extra": extra, "optim_groups": groups, "optim_small": small}, "extra"))
 
+    if optimizer is not None:
+        _refuse_names_of_the_optimizer(entries)
     chunks: dict[str, SaveItem] = {}
     for e in entries:
         if e.view is not None:
@@ -161,6 +163,20 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     collective.on_rank0(ctx, f"saving {path}", lambda: (
         mf.write_manifest(tmp, info, digests), mf.replace_dir(tmp, path)))
     return path
+
+
+def _refuse_names_of_the_optimizer(entries: list[Entry]) -> None:
+    # The model's names sit at the top level beside the optimizer's (torchtitan's layout): a
+    # model entry under `optimizer.state.` or `optimizer.param_groups.` could take one's place.
+    taken = [e.name for e in entries
+             if e.name.startswith((OPTIMIZER_PREFIX + "state.", OPTIMIZER_PREFIX + "param_groups."))]
+    if taken:
+        raise CheckpointError(
+            f"the model has entries named like the optimizer's in a checkpoint ({', '.join(taken[:3])}"
+            f"): a checkpoint keeps the model's names at the top level and the optimizer's under "
+            f"'{OPTIMIZER_PREFIX}state.' and '{OPTIMIZER_PREFIX}param_groups.', as torchtitan "
+            "does. HINT: rename that submodule, or save the model alone "
+            "(shardkit.checkpoint.save(path, model)).")
 
 
 def _for_torch_readers(small: dict, groups: list[dict]) -> dict[str, SaveItem]:
