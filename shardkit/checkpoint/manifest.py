@@ -109,6 +109,11 @@ def read_manifest(directory: str) -> dict:
     return manifest
 
 
+def format_version(manifest: dict) -> int:
+    """The checkpoint format a manifest was written in (1 where it predates the field)."""
+    return int(manifest.get("format_version", 1))
+
+
 def check_file(directory: str, rel: str, expected: dict, with_hash: bool = True) -> str | None:
     """Return a message if a checkpoint file's size or sha256 differs from the manifest, else None."""
     path = os.path.join(directory, rel)

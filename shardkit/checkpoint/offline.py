@@ -37,7 +37,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike,
     layout.create(tmp)
     reader = FlatTensorReader(directory)
     for name, md in model.items():
-        stored = reader.read(model_key(name, manifest.get("format_version", 1)))
+        stored = reader.read(model_key(name, mf.format_version(manifest)))
         layout.write(tmp, name, stored.view(tuple(md["shape"])))
     layout.finish(tmp)
     mf.replace_dir(tmp, out)

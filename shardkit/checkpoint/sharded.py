@@ -318,7 +318,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
     manifest = mf.read_manifest(directory)
     if verify:
         verify_files(ctx, directory, manifest)
-    version = manifest.get("format_version", 1)
+    version = mf.format_version(manifest)
     entries = model_entries(model)
     expected = {e.name: e.shape for e in entries}
     found = {k: tuple(v["shape"]) for k, v in manifest["model"].items()}
@@ -342,8 +342,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module,
                 target = e.buffer.reshape(-1).clone()
                 pending.append((e.buffer, target))
             chunks[model_key(e.name, version)] = FlatChunk(target, 0, _stored_shape(e.shape, version))
-    optim_sd = (_prepare_optimizer(model, optimizer, manifest, state, chunks, version)
-                if optimizer else None)
+    optim_sd = _prepare_optimizer(model, optimizer, manifest, state, chunks) if optimizer else None
     if ctx.backend.capabilities.torch_process_group:
         load_chunks(directory, chunks, ctx.world.handle)
     else:
@@ -373,8 +372,7 @@ def check_optimizer_class(manifest: dict, optimizer: torch.optim.Optimizer, dire
             "optimizer.")
 
 
-def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: dict,
-                       version: int) -> dict:
+def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: dict) -> dict:
     saved_groups = state.get("optim_groups")
     if saved_groups is None:
         raise CheckpointError("the checkpoint holds no optimizer state. HINT: call "
@@ -403,7 +401,7 @@ def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: di
                 # Shaped like the shard, also for checkpoints written when shards were 1-D.
                 target = torch.zeros(view.local.shape, dtype=dtype_from_name(md["dtype"]),
                                      device=view.local.device)
-                chunks[key] = _chunk(target, view, format_version=version)
+                chunks[key] = _chunk(target, view, format_version=mf.format_version(manifest))
                 per_param[md["state"]] = view.as_user(target)  # its rows are views of target
             if per_param:
                 out_state[index] = per_param
