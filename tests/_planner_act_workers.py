@@ -1,7 +1,8 @@
 """Measured peak memory of a sharded training step on CPU, for tests/test_planner_activations.py.
 
 "Measured" is torch's own CPU allocator accounting, read through the profiler (profile_memory:
-every allocation and free with the running total), not RSS: the high-water mark of one forward +
+every allocation and free with the running total, the frees of gloo's threads included:
+shardkit.planner.measure.host_memory_profiler), not RSS: the high-water mark of one forward +
 backward, plus the parameter and optimizer shards alive before it (counted from the tensors).
 """
 
@@ -13,7 +14,8 @@ import tempfile
 from typing import Any, Callable
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+
+from shardkit.planner.measure import host_memory_profiler
 
 MODELS = ("gpt2-small", "t5-small", "llama-tiny")
 
@@ -56,7 +58,7 @@ def _events(prof: Any) -> list[dict]:
 
 def allocation_peak(fn: Callable[[], None]) -> int:
     """Most bytes torch's CPU allocator held at once during fn(), above what it held before."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with host_memory_profiler() as prof:
         fn()
     memory = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"])
                     for e in _events(prof) if e.get("name") == "[memory]")
@@ -101,7 +103,7 @@ def measured_peak(rank: int, name: str, batch: int, seq: int, ac: bool,
     make, block = build(name)
     # Profiled from before the model exists, so the allocator's running total is everything this
     # run holds: shards, optimizer state, kept buffers, the step's own tensors.
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with host_memory_profiler() as prof:
         torch.manual_seed(0)
         model = shardkit.shard(make(), auto_wrap_policy=transformer_layers({block}),
                                strategy=strategy)

@@ -105,16 +105,15 @@ def measured_family_peak(rank: int, name: str, batch: int, seq: int, ac: bool, b
     import contextlib
 
     from torch.autograd.profiler import record_function
-    from torch.profiler import ProfilerActivity, profile
 
     import shardkit
+    from shardkit.planner.measure import host_memory_profiler
 
     from _planner_act_workers import WINDOW, peak_in_window
 
     ctx = shardkit.current_context()
     on_host = ctx.device.type == "cpu"
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if on_host else None
-    with prof if prof is not None else contextlib.nullcontext():
+    with host_memory_profiler() if on_host else contextlib.nullcontext() as prof:
         model, opt, args, kwargs = _trained_once(family(name), batch, seq, ac, bf16, strategy,
                                                  cpu_offload, hybrid_group_size, ctx.device)
         ctx.backend.synchronize(ctx.device)

@@ -75,3 +75,33 @@ def test_measure_holds_with_quantized_collectives():
     assert out.returncode == 0, out.stdout + out.stderr
     ratios = re.findall(r"planned / measured ([\d.]+)", out.stdout)
     assert len(ratios) == 2 and all(1.0 <= float(r) <= 1.10 for r in ratios), out.stdout
+
+
+def test_a_tensor_freed_on_another_thread_leaves_the_measured_total():
+    # gloo's worker thread often drops the last reference to a finished collective's tensor. The
+    # profiler's running total subtracts only frees on threads it traces: measured that way, one
+    # planner-test rank stayed 14,228,992 bytes too high for the rest of its run (issue 55).
+    # host_memory_profiler counts every thread's frees; plain profile() leaves this at 20 MB.
+    import threading
+
+    import torch
+    from _planner_act_workers import _events
+    from shardkit.planner.measure import _EVERY_THREAD_FLAG, _c10_bool_flag, host_memory_profiler
+
+    held: list[torch.Tensor] = []
+    with host_memory_profiler() as prof:
+        first = torch.empty(10_000_000, dtype=torch.uint8)
+        del first  # freed here, on the traced thread
+        held.append(torch.empty(20_000_000, dtype=torch.uint8))
+        dropper = threading.Thread(target=held.clear)  # freed on a thread the profiler ignores
+        dropper.start()
+        dropper.join()
+        last = torch.empty(1_000, dtype=torch.uint8)
+    totals = [(e["args"]["Bytes"], e["args"]["Total Allocated"]) for e in _events(prof)
+              if e.get("name") == "[memory]"]
+    base = totals[0][1] - totals[0][0]
+    assert [(n, total - base) for n, total in totals] == [
+        (10_000_000, 10_000_000), (-10_000_000, 0), (20_000_000, 20_000_000), (1_000, 1_000)]
+    assert last.numel() == 1_000
+    flag = _c10_bool_flag(_EVERY_THREAD_FLAG)
+    assert flag is not None and flag.value is False  # restored: no cost outside a measurement

@@ -31,11 +31,11 @@ class CPUBackend(Backend):
     capabilities = Capabilities(has_streams=False, async_collectives=True,
                                 supports_storage_resize=True, shard_alignment=1,
                                 direct_collective_numel=1 << 20,
-                                # gloo's idle worker thread keeps its last collective's tensors
-                                # until it gets the next one: an all-reduced gradient row
-                                # outlived zero_grad into the next step's peak (NO_SHARD,
-                                # up to 3.4 %; issue 34). Buffers the engine drops itself are
-                                # freed in place; the planner counts the largest row.
+                                # gloo's worker thread drops a finished collective's work
+                                # (and with it the tensors) a moment after wait() returned,
+                                # later still when it is descheduled on a loaded machine.
+                                # Buffers the engine drops itself are freed in place; the
+                                # planner counts the largest other tensor let go.
                                 collective_tensors_linger=True,
                                 default_timeout=datetime.timedelta(seconds=30))
 

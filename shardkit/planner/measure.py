@@ -7,7 +7,8 @@ shard it with the same options, train two steps with the same optimizer, and rep
 allocator's high-water mark over the second step (forward, backward, optimizer.step):
 `max_memory_allocated` on an accelerator, torch's own allocation count (the profiler's
 memory events) on the host, where the process's resident size would count far more than
-tensors.
+tensors. host_memory_profiler() is that count with every thread's frees in it (the tests'
+measurements use it too).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from ..errors import ShardkitError
+from ..logs import logger
 
 _WINDOW = "shardkit::measured_step"
 
@@ -71,8 +73,8 @@ def measured_peak(rank: int, spec: MeasureSpec) -> dict[str, int]:
     ctx = current_context()
     assert ctx is not None  # spawn() initialised this rank
     on_host = ctx.device.type == "cpu"
-    profiler = _host_profiler() if on_host else None
-    with profiler if profiler is not None else contextlib.nullcontext():
+    # Started before the model exists: the running total is then every tensor this rank holds.
+    with host_memory_profiler() if on_host else contextlib.nullcontext() as profiler:
         torch.manual_seed(0)  # every rank builds the same values (shard() compares them)
         model = spec.source.build("cpu")  # built and initialised on the host, then sharded
         policy = wrap_by_class_names(model, spec.source.wrap_names)
@@ -109,11 +111,54 @@ def measured_peak(rank: int, spec: MeasureSpec) -> dict[str, int]:
     return {"peak": int(ctx.backend.memory_stats(ctx.device)["peak"])}
 
 
-def _host_profiler() -> Any:
+@contextlib.contextmanager
+def host_memory_profiler() -> Iterator[Any]:
+    """torch's profiler recording host allocations, with the frees of every thread counted."""
     from torch.profiler import ProfilerActivity, profile
 
-    # Started before the model exists: the running total is then every tensor this rank holds.
-    return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _frees_counted_on_every_thread(), \
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield prof
+
+
+# torch's CPU allocator keeps its running total (each memory event's "Total Allocated") only
+# for the allocations and frees of threads the profiler traces, unless this c10 flag is set.
+# A collective library's own thread often frees a tensor: gloo's worker drops a finished
+# collective's work (and the last reference to its tensors, when the caller let go of them
+# first) a moment after the caller's wait() returned. Untraced, that free is never subtracted
+# and every later total over-counts the tensor: one rank of a planner test once measured
+# 14,228,992 bytes too many, the buffer shard() compares replicas with (issue 55).
+_EVERY_THREAD_FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
+
+
+@contextlib.contextmanager
+def _frees_counted_on_every_thread() -> Iterator[None]:
+    flag = _c10_bool_flag(_EVERY_THREAD_FLAG)
+    if flag is None:
+        logger.warning("this torch build exports no %s, so a tensor freed on a collective "
+                       "library's thread stays counted: measured host peaks may read high",
+                       _EVERY_THREAD_FLAG)
+        yield
+        return
+    before = flag.value
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = before
+
+
+def _c10_bool_flag(name: str) -> Any:
+    """A boolean gflag of torch's c10 library, writable in place (ctypes), or None."""
+    import ctypes
+    import sys
+
+    library = {"win32": "c10.dll", "darwin": "libc10.dylib"}.get(sys.platform, "libc10.so")
+    try:
+        c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", library))
+        return ctypes.c_bool.in_dll(c10, name)
+    except (OSError, ValueError):
+        return None
 
 
 def _peak_in_window(prof: Any) -> int:
