@@ -105,3 +105,15 @@ def test_a_tensor_freed_on_another_thread_leaves_the_measured_total():
     assert last.numel() == 1_000
     flag = _c10_bool_flag(_EVERY_THREAD_FLAG)
     assert flag is not None and flag.value is False  # restored: no cost outside a measurement
+
+
+@pytest.mark.slow  # two gloo ranks, ~5 s
+def test_a_tensor_gloos_worker_frees_leaves_the_measured_total():
+    # The same through gloo itself, no shardkit engine: rank 0 lets go of an all-reduce's 16 MB
+    # tensor before the collective ends, so gloo's worker frees it. torch's profiler alone still
+    # counts 16,001,000 bytes afterwards (benchmarks/gloo_free_repro.py without --counted).
+    script = Path(__file__).parent.parent / "benchmarks" / "gloo_free_repro.py"
+    out = subprocess.run([sys.executable, str(script), "--counted"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "total at the last allocation 1,000 bytes" in out.stdout, out.stdout
