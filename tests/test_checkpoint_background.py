@@ -119,6 +119,7 @@ def run_killed_mid_write(rank, root):
     handle.wait(timeout=120)  # rank 0 never gets here: its peer is gone
 
 
+@pytest.mark.long  # 12 s in the default lane on 2 cores (2026-11-29)
 def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDKIT_CHECKPOINT_TIMEOUT", "20")
     with pytest.raises(Exception, match="SIGKILL"):

@@ -46,6 +46,7 @@ def _check_checkpoint(root: Path) -> None:
 
 @pytest.mark.parametrize("victim", [0, 1])
 @pytest.mark.parametrize("style", ["plain", "finally"])
+@pytest.mark.long  # 7-12 s each, 36 s in all in the default lane on 2 cores (2026-11-29)
 def test_raw_ranks_end_in_seconds_when_a_peer_dies_during_a_background_save(tmp_path, victim, style):
     port = str(free_port())
     procs, logs = [], []

@@ -57,6 +57,7 @@ def test_without_steps_the_newest_save_wins(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 12 s in the default lane on 2 cores (2026-11-29)
 def test_verified_latest_resumes_past_a_damaged_newest_checkpoint(tmp_path, caplog):
     shardkit.spawn(save_three, 2, str(tmp_path), threads_per_rank=1)
     bad = flip_a_byte(tmp_path / "step_3")

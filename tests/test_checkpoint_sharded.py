@@ -346,6 +346,7 @@ def test_resume_same_world_size_is_identical(saved):
     _check_resumed(results, loaded, exact_training=True)
 
 
+@pytest.mark.long  # 15 s in the default lane on 2 cores (2026-11-29)
 def test_resume_at_three_ranks(saved):
     root, results = saved
     loaded = shardkit.spawn(run_load, 3, root, "shard_grad_op", None, None, False, True,

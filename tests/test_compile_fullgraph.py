@@ -35,6 +35,7 @@ def _check(name: str, world: int = 2) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.long  # 11-18 s each in the default lane on 2 cores (2026-11-29)
 def test_fullgraph_compile_of_the_whole_sharded_model(world, capfd):
     _check("FULL_SHARD", world)
     # torch warns about in-place ops when a checkpoint passes context_fn under compile; the

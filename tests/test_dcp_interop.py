@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow  # multi-process
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "torchtitan"])
+@pytest.mark.long  # 18-21 s each in the default lane on 2 cores (2026-11-29)
 def test_a_dcp_checkpoint_from_fsdp2_resumes_like_fsdp2(tmp_path, layout):
     folder = str(tmp_path / layout)
     theirs = shardkit.spawn(fsdp2_save_and_resume, 2, 2, folder, layout, threads_per_rank=1)[0]

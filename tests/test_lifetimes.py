@@ -217,6 +217,7 @@ def test_a_dropped_model_is_freed_on_every_path_at_four_ranks(tmp_path):
         assert report["int reshard"]["groups_with_model"] == report["int reshard"]["groups_before"] + 1
 
 
+@pytest.mark.long  # 22 s in the default lane on 2 cores (2026-11-29)
 def test_twenty_rounds_of_build_shard_train_delete_keep_memory_flat():
     width, n = 512, 20
     for run in shardkit.spawn(_lifetime_workers.rounds, 2, 2, n, width, backend="cpu",

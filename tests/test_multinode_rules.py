@@ -53,6 +53,7 @@ def test_plan_nodes_defaults_hybrid_to_one_node_and_checks_the_split():
         shardkit.plan(model, world_size=8, nodes=3)
 
 
+@pytest.mark.long  # 10 s in the default lane on 2 cores (2026-11-29)
 def test_shardkit_plan_cli_takes_nodes():
     done = subprocess.run([sys.executable, "-m", "shardkit.cli.main", "plan", "--hf-config",
                            "gpt2", "--world-size", "8", "--nodes", "2", "--strategy",

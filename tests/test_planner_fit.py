@@ -89,6 +89,7 @@ def test_fit_table_rows_agree_with_one_search_each_and_offload_never_fits_less()
         fit_table(model, 2, 12 * MiB, 64, auto_wrap_policy=WRAP, reshard_after_forward=False)
 
 
+@pytest.mark.long  # 13 s in the default lane on 2 cores (2026-11-29)
 def test_smallest_world_size_is_the_edge_and_hybrid_and_no_shard_answer_honestly():
     model = _llama()
     budget = 8 * MiB

@@ -35,6 +35,7 @@ def test_measure_trains_the_plan_and_the_plan_holds():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 12 s in the default lane on 2 cores (2026-11-29)
 def test_measure_takes_a_factorys_model_that_returns_logits():
     # A model without a loss of its own: the step's loss is cross-entropy over its logits, made
     # on the device the ranks train on (it was made on meta, and the ranks failed).

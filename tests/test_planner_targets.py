@@ -77,6 +77,7 @@ def test_an_unknown_backend_name_is_refused_with_a_guess():
         _plan("cdua")
 
 
+@pytest.mark.long  # 11 s in the default lane on 2 cores (2026-11-29)
 def test_the_cli_plans_for_cuda_here():
     out = subprocess.run([sys.executable, "-m", "shardkit", "plan", "--backend", "cuda",
                           "--world-size", "8", "--hf-config", "gpt2", "--batch", "2", "--seq", "128"],
