@@ -30,7 +30,8 @@ def test_full_shard_bytes_match_the_formula_within_padding():
         assert b["stats"]["calls"] == {"all_gather": 5, "reduce_scatter": 3}  # 3 units
 
 
-@pytest.mark.long  # 17 s in the default lane on 2 cores (2026-11-29)
+# Shares _bytes(3, ...) / spawn_suite(3) runs with its neighbours (17 s, paid by the first):
+# marking it long moves no time out of the default lane (tried 2026-11-29).
 def test_shard_grad_op_gathers_once_and_no_shard_all_reduces():
     for b in _bytes(3, "SHARD_GRAD_OP"):
         n = b["shard_group"]
