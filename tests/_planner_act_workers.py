@@ -8,14 +8,11 @@ backward, plus the parameter and optimizer shards alive before it (counted from 
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from typing import Any, Callable
 
 import torch
 
-from shardkit.planner.measure import host_memory_profiler
+from shardkit.planner.measure import host_memory_profiler, trace_events
 
 MODELS = ("gpt2-small", "t5-small", "llama-tiny")
 
@@ -45,23 +42,12 @@ def build(name: str) -> tuple[Callable[[], torch.nn.Module], type]:
 WINDOW = "shardkit_measured_window"
 
 
-def _events(prof: Any) -> list[dict]:
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            return json.load(f)["traceEvents"]
-    finally:
-        os.remove(path)
-
-
 def allocation_peak(fn: Callable[[], None]) -> int:
     """Most bytes torch's CPU allocator held at once during fn(), above what it held before."""
     with host_memory_profiler() as prof:
         fn()
     memory = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"])
-                    for e in _events(prof) if e.get("name") == "[memory]")
+                    for e in trace_events(prof) if e.get("name") == "[memory]")
     if not memory:
         return 0
     # The running total also counts what an earlier profiling session in this process left
@@ -73,7 +59,7 @@ def allocation_peak(fn: Callable[[], None]) -> int:
 def peak_in_window(prof: Any) -> tuple[int, int]:
     """(held when the WINDOW range began, most held during it): the allocator's running total
     counts everything allocated since profiling began, so start profiling before the model."""
-    events = _events(prof)
+    events = trace_events(prof)
     (window,) = [e for e in events if e.get("name") == WINDOW and e.get("ph") == "X"]
     start, end = window["ts"], window["ts"] + window["dur"]
     memory = sorted((e["ts"], e["args"]["Total Allocated"]) for e in events

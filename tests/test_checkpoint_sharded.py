@@ -86,13 +86,12 @@ def train(model, opt, rank, ws, first_step, steps):
 
 def peak_live_bytes(fn):
     """Run fn and return (result, peak CPU bytes allocated by torch during it, bytes still held at the end)."""
-    from _planner_act_workers import _events
-    from shardkit.planner.measure import host_memory_profiler
+    from shardkit.planner.measure import host_memory_profiler, trace_events
 
     with host_memory_profiler() as prof:  # counts what gloo's threads free, too
         result = fn()
     memory = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"])
-                    for e in _events(prof) if e.get("name") == "[memory]")
+                    for e in trace_events(prof) if e.get("name") == "[memory]")
     if not memory:
         return result, 0, 0
     before = memory[0][1] - memory[0][2]  # the running total just before fn's first allocation

@@ -86,8 +86,8 @@ def test_a_tensor_freed_on_another_thread_leaves_the_measured_total():
     import threading
 
     import torch
-    from _planner_act_workers import _events
-    from shardkit.planner.measure import _EVERY_THREAD_FLAG, _c10_bool_flag, host_memory_profiler
+    from shardkit.planner.measure import (_EVERY_THREAD_FLAG, _c10_bool_flag,
+                                          host_memory_profiler, trace_events)
 
     held: list[torch.Tensor] = []
     with host_memory_profiler() as prof:
@@ -98,7 +98,7 @@ def test_a_tensor_freed_on_another_thread_leaves_the_measured_total():
         dropper.start()
         dropper.join()
         last = torch.empty(1_000, dtype=torch.uint8)
-    totals = [(e["args"]["Bytes"], e["args"]["Total Allocated"]) for e in _events(prof)
+    totals = [(e["args"]["Bytes"], e["args"]["Total Allocated"]) for e in trace_events(prof)
               if e.get("name") == "[memory]"]
     base = totals[0][1] - totals[0][0]
     assert [(n, total - base) for n, total in totals] == [

@@ -382,6 +382,7 @@ def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: di
         raise CheckpointError(f"the optimizer has {len(groups)} param groups, the checkpoint "
                               f"{len(saved_groups)}. HINT: build the optimizer the same way as "
                               "at save time.")
+    version = mf.format_version(manifest)
     shard_keys: dict[str, list[tuple[str, dict]]] = {}
     for key, md in manifest["optimizer"].items():
         shard_keys.setdefault(md["param"], []).append((key, md))
@@ -401,7 +402,7 @@ def _prepare_optimizer(model, optimizer, manifest: dict, state: dict, chunks: di
                 # Shaped like the shard, also for checkpoints written when shards were 1-D.
                 target = torch.zeros(view.local.shape, dtype=dtype_from_name(md["dtype"]),
                                      device=view.local.device)
-                chunks[key] = _chunk(target, view, format_version=mf.format_version(manifest))
+                chunks[key] = _chunk(target, view, format_version=version)
                 per_param[md["state"]] = view.as_user(target)  # its rows are views of target
             if per_param:
                 out_state[index] = per_param

@@ -161,16 +161,22 @@ def _c10_bool_flag(name: str) -> Any:
         return None
 
 
-def _peak_in_window(prof: Any) -> int:
-    """The most bytes torch's CPU allocator held during the measured step."""
+def trace_events(prof: Any) -> list[dict]:
+    """A finished profiler's events as its Chrome trace lists them (memory events carry the
+    allocator's running total there, which the profiler's Python events do not)."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = json.load(f)["traceEvents"]
+            return json.load(f)["traceEvents"]
     finally:
         os.remove(path)
+
+
+def _peak_in_window(prof: Any) -> int:
+    """The most bytes torch's CPU allocator held during the measured step."""
+    events = trace_events(prof)
     (window,) = [e for e in events if e.get("name") == _WINDOW and e.get("ph") == "X"]
     start, end = window["ts"], window["ts"] + window["dur"]
     totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"
