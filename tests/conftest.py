@@ -39,15 +39,22 @@ def fake_plugins(fake_plugin_paths: list[str], monkeypatch: pytest.MonkeyPatch,
         sys.modules.pop(module, None)
 
 
+def _left_out(item: pytest.Item, markexpr: str) -> bool:
+    """Whether a run with this `-m` leaves `item` out: `extended` and `long` run only when named."""
+    if item.get_closest_marker("extended") is not None:
+        return "extended" not in markexpr
+    return item.get_closest_marker("long") is not None and "long" not in markexpr
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leave `long` tests out of every run whose `-m` does not name them.
+    """Leave `long` and `extended` tests out of every run whose `-m` does not name them.
 
     A `-m 'not long'` in addopts would be replaced by any `-m` on the command line, so the quick
-    lane (`-m "not slow"`) used to run the whole long lane too (issue 57).
+    lane (`-m "not slow"`) used to run the whole long lane too (issue 57). An `extended` case of a
+    long test's table runs only in the extended lane (`-m extended`), not in CI's long lane.
     """
-    if "long" in (config.getoption("markexpr") or ""):
-        return
-    kept = [item for item in items if item.get_closest_marker("long") is None]
-    if len(kept) != len(items):
-        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("long")])
-        items[:] = kept
+    markexpr = config.getoption("markexpr") or ""
+    left_out = [item for item in items if _left_out(item, markexpr)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if not _left_out(item, markexpr)]

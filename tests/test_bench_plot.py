@@ -42,7 +42,7 @@ def test_plot_writes_a_png_from_a_json_file(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long
+@pytest.mark.extended  # about 25 s
 def test_bench_step_plot_flag_draws_what_it_measured(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_step.py"), "--model",
                           "mlp", "--steps", "2", "--warmup", "1", "--chunk", "1", "--batch", "8",

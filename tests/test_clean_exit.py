@@ -24,7 +24,7 @@ RUNS = 5
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.long  # 17 s of repeated runs: moved out of the default lane (under 10 minutes)
+@pytest.mark.extended  # a loop, about 45 s; benchmarks/soak.py's no-shutdown-exit repeats it under load
 def test_ranks_that_never_call_shutdown_exit_cleanly_every_time(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TORCHELASTIC", "SHARDKIT_", "MASTER_", "RANK", "WORLD_SIZE",

@@ -229,7 +229,7 @@ def _launch(script: Path, nproc: int, env_extra: dict | None = None) -> subproce
 
 @pytest.mark.slow
 @pytest.mark.long  # ranks start, train, and are interrupted: about 12 s on 2 cores
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [2, pytest.param(3, marks=pytest.mark.extended)])
 def test_ctrl_c_under_launch_is_one_line_and_exit_130(nproc, tmp_path):
     # Issue 57: a Ctrl-C used to print torchrun's "Received 2 death signal", every rank's
     # KeyboardInterrupt traceback and the agent's SignalException traceback (86-150 lines).
@@ -313,7 +313,7 @@ shardkit.shard(nn.Linear(4, 4), strategy="FULL_SAHRD")
 
 @pytest.mark.slow
 @pytest.mark.long  # 20 s without debug in the default lane on 2 cores (2026-11-29)
-@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("debug", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_an_error_every_rank_raises_prints_once_then_the_summary_with_its_text(debug, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_SAME_MISTAKE)

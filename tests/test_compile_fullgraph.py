@@ -52,7 +52,9 @@ def test_fsdp2_refuses_the_same_fullgraph_call():
 
 @pytest.mark.slow
 @pytest.mark.long
-@pytest.mark.parametrize("name", [n for n in FULLGRAPH_OPTIONS if n != "FULL_SHARD"])
+# bf16 and reshard_to_2 (about 13 s each) run in the extended lane.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n in ("bf16", "reshard_to_2")
+                                  else n for n in FULLGRAPH_OPTIONS if n != "FULL_SHARD"])
 def test_fullgraph_compile_every_strategy(name):
     _check(name)
 

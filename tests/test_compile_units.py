@@ -40,7 +40,7 @@ def test_block_compile_after_shard_has_no_breaks_and_no_recompiles():
 
 @pytest.mark.slow
 @pytest.mark.long
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.extended), 2])  # 1: ~55 s
 def test_block_compile_every_configuration(world):
     names = [n for n in CONFIGS if not (world == 1 and n == "reshard_to_2")]
     for results in shardkit.spawn(compiled_blocks, world, world, names, True, threads_per_rank=1,
@@ -69,7 +69,7 @@ def test_whole_model_compile_runs_ten_steps_like_fsdp2():
               f"shardkit {ours['breaks']}, FSDP2 {torchs['breaks']}")
 
 
-@pytest.mark.long  # 19 s: moved out of the default lane to keep it under 10 minutes
+@pytest.mark.extended  # about 30 s
 def test_whole_model_compile_shares_the_on_disk_cache_at_uneven_rows(tmp_path):
     """Ranks holding different row counts, and a second run reading the first's compiled graphs
     from inductor's on-disk cache, as every run on one machine does: each rank must get a graph

@@ -38,7 +38,9 @@ def test_a_dcp_checkpoint_from_fsdp2_resumes_like_fsdp2(tmp_path, layout):
 
 
 @pytest.mark.long  # 21-26 s each: a save, three resumes at 2 and 3 ranks
-@pytest.mark.parametrize("background", [False, True], ids=["save", "background-save"])
+# The background save's case (the same files, written by a thread) runs in the extended lane.
+@pytest.mark.parametrize("background", [False, pytest.param(True, marks=pytest.mark.extended)],
+                         ids=["save", "background-save"])
 def test_fsdp2_resumes_from_a_shardkit_checkpoint_with_torchs_own_dcp_load(tmp_path, background):
     folder = str(tmp_path / "ckpt")
     ours = shardkit.spawn(shardkit_save_and_resume, 2, 2, folder, background,

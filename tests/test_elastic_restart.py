@@ -90,7 +90,8 @@ def fresh_run(tmp_path) -> dict:
 @pytest.mark.slow
 @pytest.mark.long  # two torchrun jobs of 150 steps each: 40-50 s
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["sync", "background"])
+# The synchronous save's case runs in the extended lane (the background one is the harder path).
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.extended), "background"])
 def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(tmp_path, mode):
     extra = ["--background"] if mode == "background" else []
     log, last_step = run_interrupted(str(tmp_path / "ckpt"), str(tmp_path / "final"), extra,
@@ -110,7 +111,7 @@ def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.long  # two short torchrun jobs
+@pytest.mark.extended  # about 27 s; CI's long lane resumes past a damaged checkpoint in test_checkpoint_latest.py
 @pytest.mark.timeout(300)
 def test_the_example_resumes_past_a_damaged_newest_checkpoint(tmp_path):
     # Before (issue 39): latest() read only manifests, returned the damaged checkpoint, and every

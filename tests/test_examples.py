@@ -122,7 +122,7 @@ def test_lightning_example_learns_and_resumes_at_three_devices(tmp_path):
     assert float(re.findall(r"final: .*val_acc ([\d.]+)", out)[-1]) > 0.9, out
 
 
-@pytest.mark.long
+@pytest.mark.extended  # about 45 s; CI's long lane kills a group in test_fault_tolerance.py
 def test_fault_tolerant_example_survives_a_group_dying(tmp_path):
     pytest.importorskip("torchft")
     out = run_example("fault_tolerant", "--groups", "2", "--steps", "120", "--kill-group", "1",

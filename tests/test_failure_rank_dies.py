@@ -45,6 +45,7 @@ CASES = [
     (4, "NO_SHARD", "kill", "forward", 1),
     (4, "HYBRID_SHARD", "raise", "step", 0),
 ]
+_LONG_4_RANK = {(4, "FULL_SHARD"), (4, "HYBRID_SHARD")}
 
 
 def _record(case: tuple, times: dict[int, float]) -> None:
@@ -55,9 +56,11 @@ def _record(case: tuple, times: dict[int, float]) -> None:
 
 
 @pytest.mark.slow
-# The 4-rank cases run in the long lane (they cost the default run ~18 s).
+# The 4-rank cases run in the long lane (they cost the default run ~18 s); two of the four, in
+# the extended lane.
 @pytest.mark.parametrize("world,strategy,kind,phase,victim",
-                         [pytest.param(*c, marks=pytest.mark.long) if c[0] == 4 else c
+                         [pytest.param(*c, marks=pytest.mark.long) if c[:2] in _LONG_4_RANK
+                          else pytest.param(*c, marks=pytest.mark.extended) if c[0] == 4 else c
                           for c in CASES],
                          ids=[f"{w}-{s}-{k}-{p}-r{v}" for w, s, k, p, v in CASES])
 def test_survivors_exit_naming_the_failed_rank(tmp_path, world, strategy, kind, phase, victim):
@@ -162,7 +165,7 @@ LAUNCHED = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.long  # 14 s each: a launched job
-@pytest.mark.parametrize("kind", ["raise", "kill"])
+@pytest.mark.parametrize("kind", [pytest.param("raise", marks=pytest.mark.extended), "kill"])
 def test_shardkit_launch_exits_non_zero_with_the_culprit(tmp_path, kind):
     script = tmp_path / "train.py"
     script.write_text(LAUNCHED.format(tests=str(ROOT / "tests")))

@@ -327,7 +327,7 @@ def _load_checkpoint_alone(path: Path, expected: dict, steps: int) -> None:
         shardkit.shutdown()
 
 
-@pytest.mark.long
+@pytest.mark.extended  # about 45 s; CI's long lane kills one group
 @needs_torchft
 def test_two_groups_die_at_once_and_both_rejoin(tmp_path):
     _skip_without_namespaces()

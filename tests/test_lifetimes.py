@@ -205,7 +205,7 @@ def test_a_dropped_model_is_freed_on_every_path_at_two_ranks(tmp_path):
         assert hybrid["groups_with_model"] == hybrid["groups_before"] + 1
 
 
-@pytest.mark.long
+@pytest.mark.extended  # about 60 s; CI's long lane runs every path at two ranks
 def test_a_dropped_model_is_freed_on_every_path_at_four_ranks(tmp_path):
     runs = shardkit.spawn(_lifetime_workers.all_paths, 4, 4, str(tmp_path), backend="cpu",
                           threads_per_rank=1)

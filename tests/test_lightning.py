@@ -59,7 +59,7 @@ def _same_run(ours: dict, ddp: dict, rel: float, weights_abs: float | None = 0.0
         assert ours["weights"][name] == pytest.approx(total, rel=rel, abs=max(rel, weights_abs)), name
 
 
-@pytest.mark.long  # 19 s of fresh interpreters: out of the default lane (under 10 minutes)
+@pytest.mark.extended  # about 45 s of fresh interpreters; out of CI's long lane (its time budget)
 def test_importing_shardkit_registers_the_strategy_name_whichever_is_imported_first():
     check = ("from lightning.pytorch.strategies import StrategyRegistry as r\n"
              "from lightning.fabric.strategies import STRATEGY_REGISTRY as f\n"
@@ -112,7 +112,7 @@ def test_the_xla_backend_is_refused_with_the_reason_and_the_way_that_works():
 
 @pytest.mark.slow
 @pytest.mark.long  # two Lightning jobs of two ranks: 40 s
-@pytest.mark.parametrize("model", ["mlp", "cnn"])  # cnn: the seed tutorial's MNIST CNN, dropout on
+@pytest.mark.parametrize("model", ["mlp", pytest.param("cnn", marks=pytest.mark.extended)])  # cnn: the seed tutorial's MNIST CNN, dropout on
 def test_trainer_fit_validate_predict_equal_ddp_at_two_ranks(tmp_path, model):
     ours = _run(tmp_path, "shardkit", "--strategy", "shardkit", "--model", model)
     ddp = _run(tmp_path, "ddp", "--strategy", "ddp", "--model", model)
@@ -123,7 +123,7 @@ def test_trainer_fit_validate_predict_equal_ddp_at_two_ranks(tmp_path, model):
     assert ours["logged"]["train_loss"] == pytest.approx(ddp["logged"]["train_loss"], rel=1e-6)
 
 
-@pytest.mark.long  # two Lightning jobs of two ranks
+@pytest.mark.extended  # two Lightning jobs, about 45 s; quantized collectives are in CI by test_quantize.py
 def test_trainer_with_quantized_collectives_trains_near_ddp(tmp_path):
     # ShardkitStrategy passes quantize= through to shard(): int8 gathers and reductions.
     ours = _run(tmp_path, "quantized", "--strategy", "shardkit-policy", "--quantize")
@@ -135,7 +135,7 @@ def test_trainer_with_quantized_collectives_trains_near_ddp(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long  # three Lightning jobs
+@pytest.mark.extended  # three Lightning jobs, about 70 s
 def test_model_summary_counts_the_whole_model_at_any_device_count(tmp_path):
     # Before (issue 40): the summary summed each rank's rows (150 K at 2 devices, 100 K at 3).
     ddp = _run(tmp_path, "ddp", "--strategy", "ddp", "--summary", "--steps", "1")["summary"]
@@ -146,7 +146,7 @@ def test_model_summary_counts_the_whole_model_at_any_device_count(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long  # four Lightning runs of a GPT-2-shaped model
+@pytest.mark.extended  # four Lightning runs, about 95 s; CI's long lane has the Fabric loop with accumulation and clipping
 def test_gpt2_per_block_with_accumulation_and_clipping_equals_ddp(tmp_path):
     common = ["--model", "gpt2", "--accumulate", "2"]
     ours = _run(tmp_path, "shardkit", "--strategy", "shardkit-policy", *common, "--clip", "0.5")
@@ -164,7 +164,8 @@ def test_gpt2_per_block_with_accumulation_and_clipping_equals_ddp(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.long
-@pytest.mark.parametrize("precision, rel", [("bf16-true", 1e-6), ("bf16-mixed", 5e-3)])
+@pytest.mark.parametrize("precision, rel", [pytest.param("bf16-true", 1e-6, marks=pytest.mark.extended),
+                                            ("bf16-mixed", 5e-3)])
 def test_bf16_precision_flags_train_like_ddp(tmp_path, precision, rel):
     # bf16-true: the module is converted before sharding, so both run the same bf16 numbers.
     # bf16-mixed: shardkit gathers bf16 params (fp32 shards, fp32 reduction) under the same
@@ -178,7 +179,7 @@ def test_bf16_precision_flags_train_like_ddp(tmp_path, precision, rel):
 
 
 @pytest.mark.slow
-@pytest.mark.long
+@pytest.mark.extended  # about 115 s; CI's long lane resumes Lightning at 3 devices through examples/ (test_examples.py)
 def test_model_checkpoint_resumes_like_ddp_and_at_three_ranks(tmp_path):
     ckpt = {s: tmp_path / f"ckpt_{s}" for s in ("shardkit", "ddp")}
     for strategy in ckpt:
@@ -200,7 +201,7 @@ def test_model_checkpoint_resumes_like_ddp_and_at_three_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long
+@pytest.mark.extended  # about 45 s; CI's long lane has meta init through Fabric
 def test_configure_model_builds_on_meta_straight_into_shards_like_ddp(tmp_path):
     ours = _run(tmp_path, "shardkit", "--strategy", "shardkit", "--configure-model")
     ddp = _run(tmp_path, "ddp", "--strategy", "ddp", "--configure-model")

@@ -126,6 +126,7 @@ def _two_node_mpirun(cluster: SimCluster, tmp_path, out: str, master_addr: str |
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, "")
 
 
+@pytest.mark.extended  # about 70 s; CI's long lane runs mpirun on one node (and jobs across simulated nodes in test_multinode.py)
 @pytest.mark.skipif(unavailable_reason() is not None,
                     reason=f"simulated nodes: {unavailable_reason()}")
 def test_mpirun_across_two_nodes_with_a_hostfile_trains_as_torchrun(tmp_path):

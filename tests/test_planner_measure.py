@@ -65,7 +65,7 @@ def test_measure_refuses_what_it_cannot_check(extra, message, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.long
+@pytest.mark.extended  # about 30 s; CI's long lane measures the unquantized plan
 def test_measure_holds_with_quantized_collectives():
     # The rehearsal runs the engine's own quantize / dequantize: their payloads and fp32
     # scratch are in the planned peak, which stays above what the ranks measure.

@@ -237,7 +237,7 @@ def test_the_cli_plans_quantized_bytes_per_node():
     assert across[0] / across[1] > 4.5
 
 
-@pytest.mark.long
+@pytest.mark.extended  # about 85 s; CI's long lane keeps quantized training near the unsharded run
 def test_a_language_model_trained_quantized_ends_where_the_exact_one_does():
     import sys
     from pathlib import Path

@@ -71,13 +71,17 @@ def _collected(*marker_args: str) -> set[str]:
     return {line for line in out.stdout.splitlines() if "::" in line}
 
 
-@pytest.mark.long  # three collections of the whole suite: about 35 s on 2 cores
+@pytest.mark.long  # five collections of the whole suite: about 55 s on 2 cores
 def test_each_documented_lane_selects_what_its_text_says():
-    # Getting started names three lanes: the README command (no -m: every test but the long
-    # ones), the long lane (-m long) and the quick lane (-m "not slow": neither slow nor long).
+    # Getting started names four lanes: the README command (no -m: every test but the long and
+    # extended ones), CI's long lane (-m long), the extended lane (-m extended: the rest of the
+    # long tables, run before each submission) and the quick lane (-m "not slow").
     # A command-line -m replaced addopts' 'not long' once, so the quick lane ran the long lane.
     default, long_lane, quick = _collected(), _collected("-m", "long"), _collected("-m", "not slow")
-    assert len(long_lane) > 50 and len(default) > 500
-    assert not default & long_lane
-    assert not quick & long_lane, sorted(quick & long_lane)[:5]
+    extended, everything = _collected("-m", "extended"), _collected("-m", "long or extended or not long")
+    assert len(long_lane) > 50 and len(extended) > 20 and len(default) > 500
+    assert not default & long_lane and not default & extended and not long_lane & extended
+    assert not quick & (long_lane | extended), sorted(quick & (long_lane | extended))[:5]
     assert quick < default
+    # Nothing falls between the lanes: together they are every test.
+    assert default | long_lane | extended == everything, sorted(everything - default - long_lane - extended)[:5]

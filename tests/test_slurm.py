@@ -79,6 +79,7 @@ def _user_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.extended  # about 35 s; CI's long lane runs the docs' sbatch script
 def test_srun_starting_every_rank_trains_as_torchrun(slurm, torchrun_reference, tmp_path):
     out = str(tmp_path / "srun.json")
     # No --ntasks-per-node and no MASTER_ADDR: srun's own layout (3 tasks on the first node,
@@ -140,6 +141,7 @@ def _hostnames(slurm: SimSlurm, nodelist: str) -> list[str]:
     return slurm.run(["scontrol", "show", "hostnames", nodelist], timeout=30).stdout.split()
 
 
+@pytest.mark.extended  # about 2 min (a requeue); CI's long lane runs the docs' sbatch script
 def test_a_node_that_fails_requeues_the_docs_job_which_resumes_to_the_same_weights(slurm, tmp_path):
     """Issue 56: kill every process of one node of a running 2 x 2 job (its slurmd, torchrun's
     agent, two ranks). SLURM marks the node DOWN and requeues the job onto the two healthy nodes;
