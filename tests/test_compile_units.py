@@ -40,7 +40,10 @@ def test_block_compile_after_shard_has_no_breaks_and_no_recompiles():
 
 @pytest.mark.slow
 @pytest.mark.long
-@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.extended), 2])  # 1: ~55 s
+# Both in the extended lane (55 and 85 s); CI's long lane compiles blocks under every strategy
+# in test_sharding_compile_checkpoint.py and after shard() in the test above.
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.extended),
+                                   pytest.param(2, marks=pytest.mark.extended)])
 def test_block_compile_every_configuration(world):
     names = [n for n in CONFIGS if not (world == 1 and n == "reshard_to_2")]
     for results in shardkit.spawn(compiled_blocks, world, world, names, True, threads_per_rank=1,
@@ -49,7 +52,7 @@ def test_block_compile_every_configuration(world):
 
 
 @pytest.mark.slow
-@pytest.mark.long
+@pytest.mark.extended  # about 60 s; CI's long lane compiles the whole sharded model in test_compile_fullgraph.py
 def test_whole_model_compile_runs_ten_steps_like_fsdp2():
     # torch.compile(model) on the sharded model: same losses as FSDP2 and as eager, no
     # recompilation after the second step, no more graph breaks or graphs than FSDP2. dynamo

@@ -49,7 +49,7 @@ def test_ddp_replicate_example_learns():
 
 
 @pytest.mark.slow
-@pytest.mark.long
+@pytest.mark.extended  # about 30 s; CI's long lane runs the transformer example
 def test_mnist_example_learns_and_saves_the_full_model(tmp_path):
     saved = tmp_path / "mnist_cnn.pt"
     out = run_example("mnist_fsdp", "--backend", "cpu", "--nproc", "2", "--epochs", "2",

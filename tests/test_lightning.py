@@ -222,7 +222,7 @@ def test_fabric_loop_with_accumulation_clipping_and_meta_init_equals_ddp(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.long
+@pytest.mark.extended  # about 40 s; CI's long lane resumes through examples/lightning (test_examples.py)
 def test_fabric_save_and_load_resume_the_run_exactly(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     whole = _run(tmp_path, "whole", "--save-at", "4", "--ckpt", ckpt, script=FABRIC)

@@ -93,7 +93,7 @@ def test_what_user_code_sees_around_a_step():
         assert "HINT" in r["bad_declaration"] and "not an instance" in r["bad_declaration"]
 
 
-@pytest.mark.long  # dynamo traces the step: ~30 s
+@pytest.mark.extended  # dynamo traces the step: about 30 s
 def test_a_step_traced_by_torch_compile_trains_as_the_dispatch_does():
     # Inside torch.compile the step is left as the user wrote it (through the DTensors).
     for r in shardkit.spawn(compiled_step_run, 2, 2, threads_per_rank=1):

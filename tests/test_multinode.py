@@ -69,7 +69,8 @@ def cluster():
 
 
 @pytest.mark.long  # two 4-rank jobs over namespaces: about 18 s each
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
+@pytest.mark.parametrize("strategy", [pytest.param("FULL_SHARD", marks=pytest.mark.extended),
+                                      "HYBRID_SHARD"])  # FULL_SHARD: the extended lane
 def test_two_nodes_train_like_one_process_and_count_inter_node_bytes_as_planned(
         cluster, tmp_path, strategy):
     report = run_two_nodes(cluster, str(tmp_path / "report.json"), strategy)

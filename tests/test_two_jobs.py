@@ -236,7 +236,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-@pytest.mark.long
+@pytest.mark.extended  # about 40 s; CI's long lane keeps the taken-port and stopped-rank cases of two jobs
 def test_two_spawns_and_two_launches_run_side_by_side(tmp_path):
     script = tmp_path / "spawned.py"
     script.write_text(SPAWNED)
