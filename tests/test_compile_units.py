@@ -39,11 +39,10 @@ def test_block_compile_after_shard_has_no_breaks_and_no_recompiles():
 
 
 @pytest.mark.slow
-@pytest.mark.long
-# Both in the extended lane (55 and 85 s); CI's long lane compiles blocks under every strategy
-# in test_sharding_compile_checkpoint.py and after shard() in the test above.
-@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.extended),
-                                   pytest.param(2, marks=pytest.mark.extended)])
+# 55 and 85 s; CI's long lane compiles blocks under every strategy in
+# test_sharding_compile_checkpoint.py and after shard() in the test above.
+@pytest.mark.extended
+@pytest.mark.parametrize("world", [1, 2])
 def test_block_compile_every_configuration(world):
     names = [n for n in CONFIGS if not (world == 1 and n == "reshard_to_2")]
     for results in shardkit.spawn(compiled_blocks, world, world, names, True, threads_per_rank=1,
