@@ -1,7 +1,8 @@
 """`shardkit.shard()`: turn a model into a sharded data-parallel model, in place.
 
 shard() runs five named steps: _decide (options, the unit plan, the same on every rank),
-_make_runtime (groups, the model's ShardState, the parameter form and its DeviceMesh),
+_make_runtime (groups, from the user's DeviceMesh where one is given, the model's ShardState,
+the parameter form and its DeviceMesh),
 _shard_parameters (materialise, buffers, rank 0's values where asked, a ShardedParam per
 parameter), _make_units (units and their hooks), and _hand_over (torch's idioms see whole
 parameters; the model becomes sharded), with the replica check between the last two.
@@ -26,10 +27,11 @@ from .setup.fingerprint import check_same_model, describe
 from .setup.stale_optimizer import remember_replaced
 from .step.verify import maybe_wrap
 from .setup.groups import GroupMaker, make_groups, make_node_hops, shard_group_size
+from .setup.mesh import check_mesh, describe_mesh, groups_from_mesh
 from .setup.materialize import has_meta, materialize
 from .surface.module_api import STATE_ATTR, sharded_class
 from .surface.param_access import is_sharded_param, remember_params
-from .step.whole_view import ParamForm, choose_form, forget_released_meshes, is_dtensor
+from .step.whole_view import ParamForm, WholeParams, choose_form, forget_released_meshes, is_dtensor
 from .surface import state_dict_hooks, torch_norms
 from .step.param import ShardedParam
 from .setup.plan import ParamPlan, UnitPlan, all_param_plans, plan_units
@@ -149,7 +151,7 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
           reshard_after_forward: ReshardSpec = None,
           sync_module_states: bool | None = None,
           quantize: Quantization | None = None,
-          fault_tolerance: FaultTolerance | None = None) -> nn.Module:
+          fault_tolerance: FaultTolerance | None = None, mesh=None) -> nn.Module:
     """Shard `model` in place over the data-parallel ranks and return it (names unchanged).
 
     - strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (gathered params kept from forward to
@@ -190,6 +192,10 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
       all-reduce across groups runs through torchft, so the other groups keep training when one
       fails and a restarted group rejoins live. Wrap the optimizer with
       shardkit.fault_tolerant_optimizer(model, optimizer).
+    - mesh: a torch DeviceMesh over every rank, as FSDP2's mesh=: one dimension for FULL_SHARD,
+      SHARD_GRAD_OP and NO_SHARD, two (replicate, shard) for HYBRID_SHARD, in init_device_mesh's
+      rank order. The collectives run on its process groups and the parameters are DTensors on
+      it. None (the default): shardkit makes the groups.
     Afterwards each of model.parameters() (what the optimizer owns) is a DTensor of the whole
     parameter whose local tensor is this rank's rows (dim-0 Shard over the shard group;
     Replicate where a shard group is one rank: NO_SHARD, a world of one), wherever the backend's
@@ -206,7 +212,8 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     hybrid_group_size = _fault_tolerant_group(fault_tolerance, strategy, hybrid_group_size, ctx)
     choices = _decide(model, ctx, strategy, auto_wrap_policy, mixed_precision, device_id,
                       cpu_offload, param_init_fn, prefetch, hybrid_group_size,
-                      reshard_after_forward, sync_module_states, quantize)
+                      reshard_after_forward, sync_module_states, quantize, mesh,
+                      fault_tolerance is not None)
     state, reshard_groups, form = _make_runtime(ctx, choices, verify)
     if fault_tolerance is not None:
         from ..fault_tolerance.cross_groups import start
@@ -231,14 +238,19 @@ class _Choices:
     reshard: list[bool | int]
     free_without_backward: list[bool]
     sync: bool
+    mesh: object = None  # the user's DeviceMesh, or None
 
 
 def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixed_precision,
             device_id, cpu_offload, param_init_fn, prefetch, hybrid_group_size,
-            reshard_after_forward, sync_module_states, quantize=None) -> _Choices:
+            reshard_after_forward, sync_module_states, quantize=None, mesh=None,
+            fault_tolerant: bool = False) -> _Choices:
     """Resolve every option and the unit plan; check that every rank decided the same."""
     be = ctx.backend
     device = ctx.device if device_id is None else be.normalize_device(device_id, ctx.local_rank)
+    if mesh is not None:
+        hybrid_group_size = check_mesh(mesh, ShardingStrategy.parse(strategy), hybrid_group_size,
+                                       fault_tolerant, ctx.world, be, device.type)
     config = _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
                      param_init_fn, be, quantize)
     units = plan_units(model, as_policy(auto_wrap_policy))
@@ -248,14 +260,15 @@ def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixe
     sync = _sync_module_states(sync_module_states, be)
     if be.capabilities.holds_values:  # a rehearsal has no peers to ask
         check_same_model(describe(units, config) + [f"reshard_after_forward: {reshard}",
-                                                    f"sync_module_states: {sync}"],
+                                                    f"sync_module_states: {sync}",
+                                                    describe_mesh(mesh)],
                          ctx.world)  # before any group
     if not any(u.params for u in units):
         raise ShardkitError(f"shard() got a model with no parameters ({type(model).__name__}): "
                             "there is nothing to shard or train. HINT: pass the model whose "
                             "parameters you train, with its layers already built")
     return _Choices(device, config, units, hybrid_group_size, reshard,
-                    frees_without_backward(reshard_after_forward, units, config), sync)
+                    frees_without_backward(reshard_after_forward, units, config), sync, mesh)
 
 
 def _make_runtime(ctx: DistContext, choices: _Choices,
@@ -263,8 +276,13 @@ def _make_runtime(ctx: DistContext, choices: _Choices,
     """The model's groups (released with it), its runtime state, and its parameter form."""
     be = ctx.backend
     maker = GroupMaker(be)
-    shard_group, replica_group = make_groups(maker, ctx.world, choices.config.strategy,
-                                             choices.hybrid_group_size, ctx.env.local_world_size)
+    if choices.mesh is not None:  # the user's groups: not made here, not released with the model
+        shard_group, replica_group = groups_from_mesh(choices.mesh, choices.config.strategy,
+                                                      ctx.world)
+    else:
+        shard_group, replica_group = make_groups(maker, ctx.world, choices.config.strategy,
+                                                 choices.hybrid_group_size,
+                                                 ctx.env.local_world_size)
     reshard_groups = make_reshard_groups(maker, ctx.world, shard_group, choices.reshard)
     state = ShardState(maybe_wrap(be, verify, ctx.timeout), choices.device, ctx.world, shard_group,
                        replica_group, choices.config,
@@ -273,8 +291,9 @@ def _make_runtime(ctx: DistContext, choices: _Choices,
         state.node_hops = make_node_hops(maker, ctx.world, shard_group,
                                          ctx.env.local_world_size or None)
     maker.release_with(state)
-    form = choose_form(ctx.world, shard_group, replica_group, choices.device.type,
-                       be.capabilities.torch_process_group)
+    form = (WholeParams(choices.mesh, shard_group.size) if choices.mesh is not None else
+            choose_form(ctx.world, shard_group, replica_group, choices.device.type,
+                        be.capabilities.torch_process_group))
     form.release_with(state)
     return state, reshard_groups, form
 

@@ -47,14 +47,14 @@ def release_groups(backend: Backend, groups: list[Group]) -> None:
             logger.debug("could not destroy process group %s: %s", group.ranks, exc)
 
 
-def _solo(world: Group) -> Group:
-    # A group of just this rank needs no backend object: collectives of size 1 are local copies.
-    return Group(0, 1, (world.ranks[world.rank],), None)
+def solo_group(rank: int) -> Group:
+    """The group of global rank `rank` alone (this rank's): no backend object, its collectives are local copies."""
+    return Group(0, 1, (rank,), None)
 
 
 def _make(maker: GroupMaker, ranks: Sequence[int], world: Group) -> Group:
     if len(ranks) == 1:
-        return Group(0, 1, (ranks[0],), None) if world.ranks[world.rank] == ranks[0] else \
+        return solo_group(ranks[0]) if world.ranks[world.rank] == ranks[0] else \
             Group(-1, 1, (ranks[0],), None)
     return maker.new_group(list(ranks))
 
@@ -97,7 +97,7 @@ def make_groups(maker: GroupMaker, world: Group, strategy: ShardingStrategy,
     if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
         return world, None
     if strategy is ShardingStrategy.NO_SHARD:
-        return _solo(world), world
+        return solo_group(world.ranks[world.rank]), world
     k = shard_group_size(strategy, hybrid_group_size, local_world_size, n)
     shard = this_ranks_group(maker, world, [range(start, start + k) for start in range(0, n, k)])
     replica = this_ranks_group(maker, world, [range(offset, n, k) for offset in range(k)])
