@@ -103,6 +103,10 @@ import shardkit
 ctx = shardkit.current_context()
 '''
 PRELUDES = {
+    "plain-model": _BLOCK_MODEL + '''
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), Block(32), Block(32), nn.Linear(32, 4))
+''',
     "sharded-model": _BLOCK_MODEL + '''
 torch.manual_seed(0)
 model = shardkit.shard(nn.Sequential(nn.Linear(16, 32), Block(32), Block(32), nn.Linear(32, 4)),

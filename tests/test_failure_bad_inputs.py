@@ -49,7 +49,9 @@ def test_shard_misuse_is_refused_with_what_to_do(results):
         # (torch's own words were "aten.copy_.default got mixed torch.Tensor and DTensor")
         assert out["tensor_parallel_model"].startswith(
             "ShardkitError: parameter '0.weight' is already a DTensor (placements (Shard(dim=0),)")
-        assert "HINT: pass shard() the plain model" in out["tensor_parallel_model"]
+        assert "HINT: for tensor parallel x data parallel pass mesh=mesh['dp']" in \
+            out["tensor_parallel_model"]
+        assert "after fully_shard, pass shard() the plain model" in out["tensor_parallel_model"]
 
 
 def test_optimizer_built_before_shard_fails_on_its_first_step(results):

@@ -56,7 +56,7 @@ def test_a_mesh_shard_cannot_run_on_is_refused_saying_what_to_do():
     assert "hybrid_group_size=2 disagrees with the mesh, whose shard dimension has 1 ranks" in \
         said["hybrid_size"]
     assert "the mesh holds 1 of the job's 2 ranks" in said["sub_mesh"]
-    assert "fully_shard(model, mesh=mesh['dp'])" in said["sub_mesh"]
+    assert "parallelize_module(model, mesh['tp'], plan) first" in said["sub_mesh"]
     assert "the mesh lays the ranks out as [1, 0]; shard() needs them in rank order" in \
         said["out_of_order"]
     assert "mesh= and fault_tolerance= do not go together" in said["fault_tolerant"]

@@ -27,11 +27,12 @@ from .setup.fingerprint import check_same_model, describe
 from .setup.stale_optimizer import remember_replaced
 from .step.verify import maybe_wrap
 from .setup.groups import GroupMaker, make_groups, make_node_hops, shard_group_size
-from .setup.mesh import check_mesh, describe_mesh, groups_from_mesh
+from .setup.mesh import (all_shard_groups, check_mesh, check_tensor_parallel_options, describe_mesh,
+                         groups_from_mesh, tensor_parallel_meshes)
 from .setup.materialize import has_meta, materialize
 from .surface.module_api import STATE_ATTR, sharded_class
 from .surface.param_access import is_sharded_param, remember_params
-from .step.whole_view import ParamForm, WholeParams, choose_form, forget_released_meshes, is_dtensor
+from .step.whole_view import ParamForm, choose_form, forget_released_meshes, is_dtensor
 from .surface import state_dict_hooks, torch_norms
 from .step.param import ShardedParam
 from .setup.plan import ParamPlan, UnitPlan, all_param_plans, plan_units
@@ -77,7 +78,7 @@ def check_quantization_support(quantization: Quantization, backend_cls: type[Bac
             "(Quantization(weights=True)), or implement all_to_all_single in the backend plugin")
 
 
-def _check_not_sharded(model: nn.Module) -> None:
+def _check_not_sharded(model: nn.Module, mesh: object = None) -> None:
     for name, module in model.named_modules():
         if STATE_ATTR in module.__dict__:
             where = f"submodule {name!r}" if name else "the model"
@@ -89,7 +90,7 @@ def _check_not_sharded(model: nn.Module) -> None:
                                 "belongs to a sharded model (the module is part of one); call "
                                 "shardkit.shard() once, on the root model, and make this module "
                                 "a unit with auto_wrap_policy=")
-        if is_dtensor(param):
+        if is_dtensor(param) and mesh is None:
             # torch's tensor parallelism (parallelize_module) or FSDP2's fully_shard made it: the
             # engine would copy a DTensor into plain rows (torch: "got mixed torch.Tensor and
             # DTensor"). Composing with them is issue 51's work.
@@ -98,9 +99,9 @@ def _check_not_sharded(model: nn.Module) -> None:
                 f"parameter {name!r} is already a DTensor (placements {placements}, on "
                 f"{getattr(param, 'device_mesh', 'a DeviceMesh')}): the model was sharded by "
                 "torch's tensor parallelism (parallelize_module) or FSDP2 (fully_shard), which "
-                "shardkit.shard() does not compose with yet. HINT: pass shard() the plain model "
-                "(before parallelize_module / fully_shard); for tensor parallel x data parallel "
-                "today use FSDP2's fully_shard(model, mesh=dp_mesh)")
+                "shard() composes with only when given the data-parallel mesh. HINT: for tensor "
+                "parallel x data parallel pass mesh=mesh['dp'] (the other dimension of the mesh "
+                "you gave parallelize_module); after fully_shard, pass shard() the plain model")
 
 
 def _fault_tolerant_group(config: FaultTolerance | None, strategy, hybrid_group_size: int | None,
@@ -192,10 +193,13 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
       all-reduce across groups runs through torchft, so the other groups keep training when one
       fails and a restarted group rejoins live. Wrap the optimizer with
       shardkit.fault_tolerant_optimizer(model, optimizer).
-    - mesh: a torch DeviceMesh over every rank, as FSDP2's mesh=: one dimension for FULL_SHARD,
-      SHARD_GRAD_OP and NO_SHARD, two (replicate, shard) for HYBRID_SHARD, in init_device_mesh's
-      rank order. The collectives run on its process groups and the parameters are DTensors on
-      it. None (the default): shardkit makes the groups.
+    - mesh: a torch DeviceMesh for the data-parallel dimension(s), as FSDP2's mesh=: one
+      dimension for FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, two (replicate, shard) for
+      HYBRID_SHARD. Over every rank (in init_device_mesh's rank order), or, for a model torch's
+      tensor parallelism made (parallelize_module on mesh["tp"]), the other dimension(s) of the
+      same mesh (mesh["dp"]): TP stays inside, shardkit shards across. The collectives run on its
+      process groups and the parameters are DTensors on it (and TP's dimension). None (the
+      default): shardkit makes the groups.
     Afterwards each of model.parameters() (what the optimizer owns) is a DTensor of the whole
     parameter whose local tensor is this rank's rows (dim-0 Shard over the shard group;
     Replicate where a shard group is one rank: NO_SHARD, a world of one), wherever the backend's
@@ -206,7 +210,7 @@ def shard(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.
     """
     if not isinstance(model, nn.Module):
         raise ShardkitError(f"shard() needs an nn.Module, got {type(model).__name__}")
-    _check_not_sharded(model)
+    _check_not_sharded(model, mesh)
     forget_released_meshes()  # torch's op caches may still hold a dead model's mesh
     ctx = require_context(backend)
     hybrid_group_size = _fault_tolerant_group(fault_tolerance, strategy, hybrid_group_size, ctx)
@@ -239,6 +243,8 @@ class _Choices:
     free_without_backward: list[bool]
     sync: bool
     mesh: object = None  # the user's DeviceMesh, or None
+    shard_groups: list[list[int]] | None = None  # every shard group, where they stride (TP beside)
+    tp_mesh: object = None  # the mesh of the model's tensor-parallel parameters, or None
 
 
 def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixed_precision,
@@ -248,9 +254,10 @@ def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixe
     """Resolve every option and the unit plan; check that every rank decided the same."""
     be = ctx.backend
     device = ctx.device if device_id is None else be.normalize_device(device_id, ctx.local_rank)
+    tp_meshes = tensor_parallel_meshes(model) if mesh is not None else []
     if mesh is not None:
         hybrid_group_size = check_mesh(mesh, ShardingStrategy.parse(strategy), hybrid_group_size,
-                                       fault_tolerant, ctx.world, be, device.type)
+                                       fault_tolerant, ctx.world, be, device.type, tp_meshes)
     config = _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
                      param_init_fn, be, quantize)
     units = plan_units(model, as_policy(auto_wrap_policy))
@@ -258,6 +265,10 @@ def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixe
                                ctx.world.size)
     reshard = resolve(reshard_after_forward, units, config, n_shard)
     sync = _sync_module_states(sync_module_states, be)
+    if tp_meshes:
+        check_tensor_parallel_options(config.strategy, sync, has_meta(model),
+                                      config.cpu_offload, bool(config.quantization.weights
+                                                               or config.quantization.gradients))
     if be.capabilities.holds_values:  # a rehearsal has no peers to ask
         check_same_model(describe(units, config) + [f"reshard_after_forward: {reshard}",
                                                     f"sync_module_states: {sync}",
@@ -268,7 +279,9 @@ def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixe
                             "there is nothing to shard or train. HINT: pass the model whose "
                             "parameters you train, with its layers already built")
     return _Choices(device, config, units, hybrid_group_size, reshard,
-                    frees_without_backward(reshard_after_forward, units, config), sync, mesh)
+                    frees_without_backward(reshard_after_forward, units, config), sync, mesh,
+                    None if mesh is None else all_shard_groups(mesh, tp_meshes),
+                    tp_meshes[0] if tp_meshes else None)
 
 
 def _make_runtime(ctx: DistContext, choices: _Choices,
@@ -283,7 +296,8 @@ def _make_runtime(ctx: DistContext, choices: _Choices,
         shard_group, replica_group = make_groups(maker, ctx.world, choices.config.strategy,
                                                  choices.hybrid_group_size,
                                                  ctx.env.local_world_size)
-    reshard_groups = make_reshard_groups(maker, ctx.world, shard_group, choices.reshard)
+    reshard_groups = make_reshard_groups(maker, ctx.world, shard_group, choices.reshard,
+                                         choices.shard_groups)
     state = ShardState(maybe_wrap(be, verify, ctx.timeout), choices.device, ctx.world, shard_group,
                        replica_group, choices.config,
                        ranks_per_node=ctx.env.local_world_size or None)
@@ -291,9 +305,8 @@ def _make_runtime(ctx: DistContext, choices: _Choices,
         state.node_hops = make_node_hops(maker, ctx.world, shard_group,
                                          ctx.env.local_world_size or None)
     maker.release_with(state)
-    form = (WholeParams(choices.mesh, shard_group.size) if choices.mesh is not None else
-            choose_form(ctx.world, shard_group, replica_group, choices.device.type,
-                        be.capabilities.torch_process_group))
+    form = choose_form(ctx.world, shard_group, replica_group, choices.device.type,
+                       be.capabilities.torch_process_group, choices.mesh, choices.tp_mesh)
     form.release_with(state)
     return state, reshard_groups, form
 

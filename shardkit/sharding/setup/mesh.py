@@ -9,21 +9,30 @@ FULL_SHARD / SHARD_GRAD_OP (shard across it) and NO_SHARD (replicate across it),
 
 The engine's other groups (reshard_after_forward=k's blocks, the two-hop reduction's node
 groups) are cut from runs of consecutive world ranks, and its HYBRID layout is shard groups of
-consecutive ranks with replicas striding across them (setup/groups.py). So a mesh is taken when
-it lays the world's ranks out in that order (what `init_device_mesh` makes) and is refused with
-what to do otherwise, as is a mesh over only some of the ranks (one dimension of a larger mesh,
-beside tensor or pipeline parallelism), which this engine does not compose with yet. Nothing here
-creates or destroys a group: the mesh's groups are the user's.
+consecutive ranks with replicas striding across them (setup/groups.py). So a mesh over every rank
+is taken when it lays the world's ranks out in that order (what `init_device_mesh` makes) and is
+refused with what to do otherwise.
+
+A mesh over only some of the ranks is one dimension of a larger mesh. It is taken beside torch's
+tensor parallelism: the model's DTensor parameters live on one 1-D TP mesh that meets the
+data-parallel mesh at this rank alone, the two holding every rank between them (mesh["dp"] and
+mesh["tp"] of one init_device_mesh). The shard groups then stride across the world, so the
+k-rank blocks of reshard_after_forward=k are cut from each of them (`all_shard_groups`). Anything
+else over part of the ranks (pipeline stages) is refused. Nothing here creates or destroys a
+group: the mesh's groups are the user's.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
+
+from torch import nn
 
 from ...backend import Backend
 from ...errors import ShardkitError
 from ...handles import Group
 from ..policies import ShardingStrategy
+from ..step.whole_view import is_dtensor
 from .groups import solo_group
 
 _ONE_DIM = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
@@ -37,10 +46,24 @@ def describe_mesh(mesh: Any) -> str:
             f"device type {mesh.device_type}")
 
 
+def tensor_parallel_meshes(model: nn.Module) -> list[Any]:
+    """The distinct meshes of the model's DTensor parameters (torch's tensor parallelism made them)."""
+    meshes: list[Any] = []
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None) if is_dtensor(param) else None
+        if mesh is not None and all(mesh is not m for m in meshes):
+            meshes.append(mesh)
+    return meshes
+
+
 def check_mesh(mesh: Any, strategy: ShardingStrategy, hybrid_group_size: int | None,
-               fault_tolerant: bool, world: Group, backend: Backend, device_type: str) -> int | None:
+               fault_tolerant: bool, world: Group, backend: Backend, device_type: str,
+               tp_meshes: Sequence[Any] = ()) -> int | None:
     """Refuse a mesh shard() cannot run on, naming why; return the shard group size it implies
-    for HYBRID_SHARD (hybrid_group_size unchanged otherwise). No collective: every rank decides alone."""
+    for HYBRID_SHARD (hybrid_group_size unchanged otherwise). No collective: every rank decides alone.
+
+    `tp_meshes`: the meshes of the model's tensor-parallel parameters; with one, the mesh is the
+    other dimension(s) of the same mesh and the two together hold every rank."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
@@ -74,14 +97,16 @@ def check_mesh(mesh: Any, strategy: ShardingStrategy, hybrid_group_size: int | N
             f"init_device_mesh({device_type!r}, ...)")
     _check_library(mesh, backend)
     layout = [int(r) for r in mesh.mesh.flatten().tolist()]
-    if len(layout) != world.size:
+    if tp_meshes:
+        _check_tensor_parallel_mesh(mesh, tp_meshes, world)
+    elif len(layout) != world.size:
         raise ShardkitError(
-            f"the mesh holds {len(layout)} of the job's {world.size} ranks ({layout}): a "
-            "dimension of a larger mesh, beside tensor or pipeline parallelism on the other "
-            "dimensions. shardkit.shard() does not compose with those yet. HINT: pass a mesh over "
-            "every rank (or leave mesh= out); for tensor x data parallelism today use FSDP2's "
-            "fully_shard(model, mesh=mesh['dp'])")
-    if layout != list(world.ranks):
+            f"the mesh holds {len(layout)} of the job's {world.size} ranks ({layout}) and the "
+            "model has no tensor-parallel (DTensor) parameters on the mesh's other dimension: "
+            "shard() takes part of the ranks only beside torch's tensor parallelism. HINT: pass a "
+            "mesh over every rank (or leave mesh= out); for tensor x data parallelism "
+            "parallelize_module(model, mesh['tp'], plan) first, then shard(model, mesh=mesh['dp'])")
+    if not tp_meshes and layout != list(world.ranks):
         raise ShardkitError(
             f"the mesh lays the ranks out as {mesh.mesh.tolist()}; shard() needs them in rank "
             f"order, {list(world.ranks)} row by row (the layout init_device_mesh makes: shard "
@@ -95,6 +120,61 @@ def check_mesh(mesh: Any, strategy: ShardingStrategy, hybrid_group_size: int | N
             f"dimension has {size} ranks (shape {tuple(mesh.shape)}). HINT: leave "
             "hybrid_group_size out: the mesh says it")
     return size
+
+
+def _check_tensor_parallel_mesh(mesh: Any, tp_meshes: Sequence[Any], world: Group) -> None:
+    if len(tp_meshes) > 1:
+        raise ShardkitError(
+            f"the model's DTensor parameters live on {len(tp_meshes)} different meshes; shard() "
+            "composes with one tensor-parallel mesh. HINT: parallelize_module the whole model "
+            "on one mesh['tp']")
+    tp = tp_meshes[0]
+    if tp.ndim != 1:
+        raise ShardkitError(
+            f"the model's tensor-parallel mesh has {tp.ndim} dimensions; shard() composes with "
+            "one. HINT: parallelize_module on a 1-D mesh['tp']")
+    if tp.device_type != mesh.device_type:
+        raise ShardkitError(
+            f"the tensor-parallel mesh is on {tp.device_type!r} devices, the data-parallel mesh "
+            f"on {mesh.device_type!r}. HINT: take both from one init_device_mesh")
+    ranks = {int(r) for r in mesh.mesh.flatten().tolist()}
+    tp_ranks = {int(r) for r in tp.mesh.flatten().tolist()}
+    if ranks & tp_ranks != {world.ranks[world.rank]} or len(ranks) * len(tp_ranks) != world.size:
+        raise ShardkitError(
+            f"the data-parallel mesh {mesh.mesh.tolist()} and the model's tensor-parallel mesh "
+            f"{tp.mesh.tolist()} are not two dimensions of one mesh over the job's {world.size} "
+            "ranks (they must meet at this rank alone and hold every rank between them). HINT: "
+            "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); "
+            "parallelize_module(model, mesh['tp'], plan); shard(model, mesh=mesh['dp'])")
+
+
+def all_shard_groups(mesh: Any, tp_meshes: Sequence[Any]) -> list[list[int]] | None:
+    """Every shard group of the job, as global ranks in group order, where a tensor-parallel
+    mesh beside the data-parallel one makes them stride across the world (None: runs of
+    consecutive ranks, setup/groups.py's layout). Read from the two meshes concatenated."""
+    if not tp_meshes:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    layout = DeviceMesh._concatenate([mesh, tp_meshes[0]]).mesh  # (dp dims..., tp)
+    shard_dim = mesh.ndim - 1  # the last data-parallel dimension shards (HYBRID: (replicate, shard))
+    groups = layout.movedim(shard_dim, -1).reshape(-1, layout.shape[shard_dim])
+    return [[int(r) for r in row] for row in groups.tolist()]
+
+
+def check_tensor_parallel_options(strategy: ShardingStrategy, sync: bool, meta: bool,
+                                  cpu_offload: bool, quantized: bool) -> None:
+    """Refuse, naming the setting, what shard() does not yet do on a tensor-parallel model."""
+    refused = [name for name, on in (
+        ("sync_module_states=True", sync),
+        ("a model on the meta device", meta),
+        ("cpu_offload=True", cpu_offload),
+        ("quantize=", quantized)) if on]
+    if refused:
+        raise ShardkitError(
+            f"{', '.join(refused)} with a tensor-parallel model (DTensor parameters from "
+            "parallelize_module) is not supported yet. HINT: leave it out; exact collectives and "
+            f"a model built on its device and parallelized there work ({strategy.name})")
 
 
 def _check_library(mesh: Any, backend: Backend) -> None:

@@ -97,16 +97,20 @@ def frees_without_backward(spec: ReshardSpec, units: list[UnitPlan],
 
 
 def make_reshard_groups(maker: GroupMaker, world: Group, shard_group: Group,
-                        values: list[bool | int]) -> dict[int, Group]:
+                        values: list[bool | int],
+                        shard_groups: list[list[int]] | None = None) -> dict[int, Group]:
     """{k: this rank's k-rank group} for every int k in `values`; every rank calls this together.
 
-    Shard groups are runs of consecutive world ranks (the world itself, or HYBRID's blocks), so
-    the blocks of k consecutive shard-group ranks are the runs of k consecutive world ranks.
+    Each group is a block of k consecutive ranks of a shard group. `shard_groups` lists every
+    shard group of the job (a user's mesh beside tensor parallelism: its data-parallel groups
+    stride across the world); None: they are runs of consecutive world ranks (the world itself,
+    or HYBRID's blocks), so the blocks are the runs of k consecutive world ranks.
     """
+    groups = shard_groups if shard_groups is not None else [list(world.ranks)]
     out: dict[int, Group] = {}
     for k in sorted({v for v in values if not isinstance(v, bool)}):  # k >= 2 (resolve)
-        out[k] = this_ranks_group(maker, world, [world.ranks[start:start + k]
-                                                 for start in range(0, world.size, k)])
+        out[k] = this_ranks_group(maker, world, [ranks[start:start + k] for ranks in groups
+                                                 for start in range(0, len(ranks), k)])
         # Position inside the block == rank inside the group: the slice this rank keeps.
         assert out[k].rank == shard_group.rank % k, (out[k], shard_group)
     return out

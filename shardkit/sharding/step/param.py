@@ -14,6 +14,14 @@ themselves on a backend without one (XLA). It is registered on the owning module
 forward/backward; the unsharded nn.Parameter (full shape, compute dtype) is registered while the
 unit computes. The unsharded one is the same Python object for the whole run, so tensors autograd
 saved in forward see the data again once it is re-gathered for backward.
+
+A parameter torch's tensor parallelism already made a DTensor (`parallelize_module` on another
+dimension of the user's mesh) is sharded the same way, from its local tensor: the engine's
+"full" tensor is this rank's tensor-parallel part, split into rows over the data-parallel group;
+the gathered parameter the module computes with is the DTensor tensor parallelism made (on its
+mesh, with its placements, over the gathered part), so TP's own collectives stay TP's; its
+gradient is brought to those placements (a Partial one summed over TP) before the data-parallel
+reduction; and the user's parameter is a DTensor on both dimensions (whole_view.tp_whole_spec).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from torch import nn
 from ...backend import Backend
 from ...handles import Group
 from .layout import shard_layout
-from .whole_view import ParamForm, local_of
+from .whole_view import ParamForm, is_dtensor, local_of, whole, with_dtype
 
 
 class ShardedParam:
@@ -38,6 +46,14 @@ class ShardedParam:
                  form: ParamForm) -> None:
         self.fqns = fqns  # every name this parameter has (more than one when tied inside a unit)
         self.owners = owners  # (module, attribute) pairs to register the parameter on
+        # Tensor parallelism's layout of the parameter (None for a plain one): the engine shards
+        # its local part, and the module computes with a DTensor of that layout.
+        self.tp_spec = orig._spec if is_dtensor(orig) else None  # type: ignore[attr-defined]
+        self.whole_shape = orig.shape  # what the user's parameter reports (TP's global shape)
+        # Where TP splits the parameter, the group a whole-parameter reduction (a norm) also spans.
+        self.tp_group = None if self.tp_spec is None else tp_split_group(self.tp_spec)
+        if self.tp_spec is not None:
+            orig = nn.Parameter(orig._local_tensor, requires_grad=orig.requires_grad)  # type: ignore[attr-defined]
         self.full_shape = orig.shape
         self.numel = orig.numel()
         self.master_dtype = orig.dtype
@@ -70,8 +86,10 @@ class ShardedParam:
         # fused split for the whole unit. Freeing and re-allocating the buffer's storage keeps
         # both views (and the ones autograd saved) valid.
         flat = torch.empty(self.padded_numel, dtype=compute_dtype, device=compute_device)
-        self.unsharded = nn.Parameter(flat[:self.numel].view(self.full_shape),
-                                      requires_grad=orig.requires_grad)
+        gathered = flat[:self.numel].view(self.full_shape)
+        if self.tp_spec is not None:  # what tensor parallelism's modules compute with
+            gathered = whole(gathered, with_dtype(self.tp_spec, compute_dtype))
+        self.unsharded = nn.Parameter(gathered, requires_grad=orig.requires_grad)
         # `.data`: a separate version counter, so re-gathering for backward does not look like
         # an in-place edit of the tensor autograd saved in forward.
         self.unsharded_flat = flat.data
@@ -91,7 +109,10 @@ class ShardedParam:
         """What training code gets for a shard-shaped tensor, made by the parameter's form: a
         DTensor over its real rows (no copy), or the padded rows themselves."""
         if rows.dtype not in self._specs:
-            self._specs[rows.dtype] = self.form.spec(self._placements, self.full_shape, rows.dtype)
+            self._specs[rows.dtype] = (
+                self.form.spec(self._placements, self.full_shape, rows.dtype)
+                if self.tp_spec is None else self.form.tp_spec(self._placements, self.tp_spec,
+                                                               rows.dtype))
         return self.form.as_user(self.user_rows(rows), self._specs[rows.dtype])
 
     def as_rows(self, value: torch.Tensor) -> torch.Tensor:
@@ -116,6 +137,8 @@ class ShardedParam:
 
     def load_full(self, full: torch.Tensor) -> None:
         """Copy this rank's slice of a full tensor into the shard in place; padding becomes zero."""
+        if self.tp_spec is not None and is_dtensor(full):
+            full = local_of(full)  # the gathered tensor-parallel part: the engine's whole
         if tuple(full.shape) != tuple(self.full_shape):
             from ...errors import ShardkitError
 
@@ -195,6 +218,11 @@ class ShardedParam:
         """Return and detach the gradient autograd accumulated on the unsharded parameter."""
         grad = self.unsharded.grad
         self.unsharded.grad = None
+        if grad is not None and self.tp_spec is not None:
+            if tuple(grad.placements) != tuple(self.tp_spec.placements):  # type: ignore[attr-defined]
+                # (a SequenceParallel weight's gradient is Partial over TP: summed there first)
+                grad = grad.redistribute(placements=self.tp_spec.placements)  # type: ignore[attr-defined]
+            grad = local_of(grad)
         return grad
 
     def register(self, unsharded: bool) -> None:
@@ -202,6 +230,17 @@ class ShardedParam:
         param = self.unsharded if unsharded else self.sharded
         for module, name in self.owners:
             module._parameters[name] = param
+
+
+def tp_split_group(spec: Any) -> Group | None:
+    """Tensor parallelism's group of a parameter it splits (None where TP replicates it)."""
+    if not any(p.is_shard() for p in spec.placements):
+        return None
+    import torch.distributed as dist
+
+    handle = spec.mesh.get_group(0)
+    ranks = tuple(dist.get_process_group_ranks(handle))
+    return Group(spec.mesh.get_local_rank(0), len(ranks), ranks, handle)
 
 
 def _fill(shard: torch.Tensor, mine: torch.Tensor) -> None:

@@ -24,6 +24,11 @@ threads): no mesh can exist, the parameters are the plain padded rows, torch's c
 covered by sharding/surface/torch_norms.py and the other idioms need shardkit.full_shape /
 full_tensor. ShardedParam holds its form and asks it; no step-path code asks which one it is.
 
+Beside torch's tensor parallelism (a user's mesh: setup/mesh.py) every parameter lives on the
+data-parallel mesh and TP's concatenated, as FSDP2's 2-D parameters do: TP's placements follow the
+data-parallel ones, a parameter TP did not split is Replicate() over TP, and where TP splits dim 0
+the data-parallel rows are rows of TP's part (`_StridedShard`, tp_whole_spec).
+
 HYBRID_SHARD's mesh has two dimensions, (replicas, shard group): rows are Shard(0) inside a shard
 group and Replicate() across replicas. A 0-d parameter cannot be split by rows: it is
 Replicate() and every rank of its shard group holds its value (its reduced gradient, which the
@@ -45,9 +50,17 @@ class WholeParams:
     """The parameter form wherever a DeviceMesh exists: a DTensor of the whole parameter over
     this rank's real rows (Shard(0) over the shard group, Replicate over replicas)."""
 
-    def __init__(self, mesh: Any, shard_group_size: int) -> None:
+    def __init__(self, mesh: Any, shard_group_size: int, tp_mesh: Any = None) -> None:
         self.mesh = mesh
         self.shard_group_size = shard_group_size
+        # Beside tensor parallelism every parameter lives on the data-parallel mesh and TP's,
+        # concatenated (one mesh: torch's foreach ops and clip_grad_norm_ take no mix of meshes);
+        # one TP did not split is Replicate() over TP.
+        self.spmd_mesh = None
+        if tp_mesh is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self.spmd_mesh = DeviceMesh._concatenate([mesh, tp_mesh])
 
     def alignment(self, backend_alignment: int) -> int:
         """A DTensor's Shard(0) is torch.chunk's split: no alignment may widen the rows."""
@@ -63,8 +76,19 @@ class WholeParams:
         return True
 
     def spec(self, places: tuple[Any, ...], full_shape: torch.Size, dtype: torch.dtype) -> Any:
-        """The DTensorSpec of a whole parameter of `full_shape` and `dtype` on this mesh."""
+        """The DTensorSpec of a whole parameter of `full_shape` and `dtype` on this mesh (and
+        Replicate() over tensor parallelism's, beside it)."""
+        if self.spmd_mesh is not None:
+            from torch.distributed.tensor import Replicate
+
+            return whole_spec(self.spmd_mesh, places + (Replicate(),), full_shape, dtype)
         return whole_spec(self.mesh, places, full_shape, dtype)
+
+    def tp_spec(self, places: tuple[Any, ...], tp: Any, dtype: torch.dtype) -> Any:
+        """The DTensorSpec of a tensor-parallel parameter (TP's spec `tp`) sharded by rows here
+        too: on this mesh and TP's, concatenated."""
+        assert self.spmd_mesh is not None, "shard() names the TP mesh (setup/mesh.py)"
+        return tp_whole_spec(self.spmd_mesh, places, tp, dtype)
 
     def user_rows(self, rows: torch.Tensor, valid_rows: int, ndim: int) -> torch.Tensor:
         """The part of shard-shaped `rows` the user's tensor covers: its real rows."""
@@ -109,6 +133,10 @@ class RowParams:
         """No spec: there is no DTensor."""
         return None
 
+    def tp_spec(self, places: tuple[Any, ...], tp: Any, dtype: torch.dtype) -> Any:
+        """Never asked: shard() refuses a mesh (and so tensor parallelism) on such a backend."""
+        raise AssertionError("tensor-parallel parameters need a DeviceMesh (setup/mesh.py)")
+
     def user_rows(self, rows: torch.Tensor, valid_rows: int, ndim: int) -> torch.Tensor:
         """The whole padded rows: the user's tensor is the shard itself."""
         return rows
@@ -132,9 +160,12 @@ ParamForm = WholeParams | RowParams
 
 
 def choose_form(world: Group, shard_group: Group, replica_group: Group | None, device_type: str,
-                torch_process_group: bool) -> ParamForm:
+                torch_process_group: bool, user_mesh: Any = None, tp_mesh: Any = None) -> ParamForm:
     """The one place the parameter form is decided (at shard()): DTensor parameters on a
-    DeviceMesh wherever the backend's collectives run on torch process groups, else plain rows."""
+    DeviceMesh wherever the backend's collectives run on torch process groups (the user's mesh
+    where one was given, beside TP's `tp_mesh`), else plain rows."""
+    if user_mesh is not None:  # (setup/mesh.py refused it on a backend without process groups)
+        return WholeParams(user_mesh, shard_group.size, tp_mesh)
     if not torch_process_group:
         return RowParams()
     return WholeParams(make_mesh(world, shard_group, replica_group, device_type),
@@ -203,6 +234,30 @@ def placements(mesh: Any, ndim: int, shard_group_size: int) -> tuple[Any, ...]:
 
     rows = Shard(0) if ndim and shard_group_size > 1 else Replicate()
     return (Replicate(), rows) if mesh.ndim == 2 else (rows,)
+
+
+def tp_whole_spec(mesh: Any, places: tuple[Any, ...], tp: Any, dtype: torch.dtype) -> Any:
+    """The DTensorSpec of a tensor-parallel parameter sharded by rows over the data-parallel
+    dimensions too: the data-parallel placements, then TP's, on `mesh` (the two concatenated).
+
+    Where TP already splits dim 0 (ColwiseParallel), the data-parallel rows are rows of TP's
+    part, not of the whole: torch's _StridedShard says so (FSDP2 lays 2-D parameters out alike).
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    split = tp.num_shards_map[0]
+    rows = tuple(_StridedShard(0, split_factor=split) if split > 1 and isinstance(p, Shard)
+                 and p.dim == 0 else p for p in places)
+    shape = tp.tensor_meta.shape
+    return whole_spec(mesh, rows + tuple(tp.placements), shape, dtype)
+
+
+def with_dtype(spec: Any, dtype: torch.dtype) -> Any:
+    """`spec` for a tensor of `dtype` (the same mesh, placements and shape)."""
+    if spec.tensor_meta.dtype == dtype:
+        return spec
+    return whole_spec(spec.mesh, tuple(spec.placements), spec.tensor_meta.shape, dtype)
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:

@@ -69,7 +69,7 @@ def is_sharded_param(param: torch.Tensor) -> bool:
 def full_shape(param: torch.Tensor) -> torch.Size:
     """The parameter's shape before shard() (its own shape if it is not sharded); no communication."""
     found = _lookup(param)
-    return param.shape if found is None else found[0].full_shape
+    return param.shape if found is None else found[0].whole_shape
 
 
 def held_numel(param: torch.Tensor) -> int:
@@ -93,10 +93,15 @@ def full_tensor(param: torch.Tensor, local: torch.Tensor | None = None) -> torch
         return local
     sp, state = found
     if is_dtensor(local):
-        if local.shape != sp.full_shape:
+        if local.shape != sp.whole_shape:
             raise ShardkitError(f"full_tensor({sp.fqn!r}): the DTensor given has shape "
-                                f"{tuple(local.shape)}, the parameter {tuple(sp.full_shape)}")
+                                f"{tuple(local.shape)}, the parameter {tuple(sp.whole_shape)}")
         return full_of(local)
+    if sp.tp_spec is not None:
+        raise ShardkitError(
+            f"full_tensor({sp.fqn!r}): a plain tensor of a tensor-parallel parameter's rows says "
+            "nothing of its other dimension. HINT: pass the DTensor (p.grad, or state made by "
+            "torch.zeros_like(p)), or call .full_tensor() on it")
     if local.shape != sp.shard_shape:
         raise ShardkitError(f"full_tensor({sp.fqn!r}): the tensor given has shape "
                             f"{tuple(local.shape)}, this rank's shard has {tuple(sp.shard_shape)}. "
@@ -118,6 +123,11 @@ def local_shard(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     if found is None:
         return full
     sp = found[0]
+    if sp.tp_spec is not None:
+        raise ShardkitError(
+            f"local_shard({sp.fqn!r}) does not handle tensor-parallel parameters yet. HINT: "
+            "torch.distributed.tensor.distribute_tensor(full, p.device_mesh, p.placements, "
+            "src_data_rank=None) makes the DTensor laid out like p")
     if full.shape != sp.full_shape:
         raise ShardkitError(f"local_shard({sp.fqn!r}): the tensor given has shape "
                             f"{tuple(full.shape)}, the parameter's full shape is "

@@ -112,22 +112,29 @@ def _foreach_works(device: torch.device) -> bool:
     return bool(_device_has_foreach_support(device))
 
 
-def _whole_norms(local: list[torch.Tensor], norm_type: float, state: Any) -> list[torch.Tensor]:
-    """The whole parameters' norms from this rank's row norms: one collective over the shard group."""
+def _whole_norms(local: list[torch.Tensor], norm_type: float, state: Any,
+                 tp_group: Any = None) -> list[torch.Tensor]:
+    """The whole parameters' norms from this rank's row norms: one collective over the shard
+    group, and one over tensor parallelism's group where TP splits the parameters too."""
     device = state.device
     values = torch.stack([n.to(device, torch.float32) for n in local])
-    group, backend = state.shard_group, state.backend
+    groups = [g for g in (state.shard_group, tp_group) if g is not None and g.size > 1]
+    backend = state.backend
     if math.isinf(norm_type):
         # Collectives are asked only for sums, so gather every rank's maxima and reduce here.
-        everyone = torch.empty(group.size * values.numel(), dtype=torch.float32, device=device)
-        backend.all_gather_into_tensor(everyone, values.contiguous(), group).wait()
-        whole = everyone.view(group.size, -1).amax(dim=0)
+        for group in groups:
+            everyone = torch.empty(group.size * values.numel(), dtype=torch.float32, device=device)
+            backend.all_gather_into_tensor(everyone, values.contiguous(), group).wait()
+            values = everyone.view(group.size, -1).amax(dim=0)
+        whole = values
     elif norm_type == 0:  # a count of non-zero elements adds up across rows
-        backend.all_reduce(values, group, op="sum").wait()
+        for group in groups:
+            backend.all_reduce(values, group, op="sum").wait()
         whole = values
     else:
         powered = values.pow(norm_type)
-        backend.all_reduce(powered, group, op="sum").wait()
+        for group in groups:
+            backend.all_reduce(powered, group, op="sum").wait()
         whole = powered.pow(1.0 / norm_type)
     return [w.to(n.device, n.dtype) for w, n in zip(whole.unbind(0), local)]
 
@@ -144,13 +151,14 @@ def counted_rows(grad: torch.Tensor, sp: Any, state: Any) -> torch.Tensor:
 
 
 def _counted(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
-    """Each tensor as a norm counts it (counted_rows for a shard's gradient) and its engine state."""
+    """Each tensor as a norm counts it (counted_rows for a shard's gradient) and its owner
+    (engine state, TP group) (None: not a shard's gradient)."""
     by_grad = param_access.grad_owners()
     counted, owners = [], []
     for t in tensors:
         found = by_grad.get(id(t))
         counted.append(t if found is None else counted_rows(t, found[1], found[0]))
-        owners.append(None if found is None else found[0])
+        owners.append(None if found is None else (found[0], found[1].tp_group))
     return counted, owners
 
 
@@ -165,7 +173,8 @@ def total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: float 
 
 def total_norm_of(tensors: list[torch.Tensor], owners: list[Any], norm_type: float = 2.0,
                   error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
-    """total_norm with each tensor's engine state given (None: not a shard's gradient)."""
+    """total_norm with each tensor's owner given: (engine state, tensor parallelism's group
+    where TP splits the parameter, else None), or None for a gradient that is not a shard's."""
     if not any(owner is not None for owner in owners):
         return _ORIGINAL_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
     norm_type = float(norm_type)
@@ -174,12 +183,13 @@ def total_norm_of(tensors: list[torch.Tensor], owners: list[Any], norm_type: flo
                             "supported (a negative order is a minimum, and a shard's zero padding "
                             "rows would decide it). HINT: use a positive norm_type, or 'inf'")
     norms = _per_tensor_norms(tensors, norm_type, foreach)
-    by_state: dict[int, tuple[Any, list[int]]] = {}
+    by_groups: dict[tuple[int, int], tuple[Any, list[int]]] = {}
     for i, owner in enumerate(owners):
         if owner is not None:
-            by_state.setdefault(id(owner), (owner, []))[1].append(i)
-    for state, idx in by_state.values():
-        for i, whole in zip(idx, _whole_norms([norms[i] for i in idx], norm_type, state)):
+            by_groups.setdefault((id(owner[0]), id(owner[1])), (owner, []))[1].append(i)
+    for (state, tp_group), idx in by_groups.values():
+        for i, whole in zip(idx, _whole_norms([norms[i] for i in idx], norm_type, state,
+                                              tp_group)):
             norms[i] = whole
     first_device = tensors[0].device
     total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), norm_type)

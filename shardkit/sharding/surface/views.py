@@ -38,6 +38,7 @@ from ...handles import Group
 from ..step.comms import gather_exact
 from .module_api import get_state
 from ..step.param import ShardedParam
+from ..step.state import ShardState
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,23 @@ class ShardView:
     replicated: bool = False  # a 0-d DTensor parameter: every rank of the shard group holds it
 
 
+def refuse_tensor_parallel(state: ShardState, what: str) -> None:
+    """Raise for a model with tensor-parallel parameters: `what` reads whole tensors by the
+    data-parallel rows alone, which would hold or write only this rank's TP part as if whole."""
+    tp = next((sp.fqn for sp in state.iter_params() if sp.tp_spec is not None), None)
+    if tp is not None:
+        raise ShardkitError(
+            f"{what} does not handle tensor-parallel parameters yet ({tp!r} is a DTensor of "
+            "parallelize_module): it would see only this rank's tensor-parallel part of each. "
+            "HINT: use torch's state-dict API, which sees both dimensions: "
+            "torch.distributed.checkpoint.state_dict.get_model_state_dict(model) with dcp.save / "
+            "dcp.load, or StateDictOptions(full_state_dict=True) for whole tensors")
+
+
 def shard_views(module: nn.Module) -> list[ShardView]:
     """Every sharded parameter of a module returned by shardkit.shard(), in state_dict order."""
     state = get_state(module)
+    refuse_tensor_parallel(state, "shardkit's checkpoint (save, load, export, full_state_dict)")
     by_fqn = state.params_by_fqn()
     views = []
     for fqn in module.state_dict(keep_vars=True):
@@ -79,6 +94,7 @@ def shard_views(module: nn.Module) -> list[ShardView]:
 def iter_unit_full_params(module: nn.Module) -> Iterator[tuple[list[str], dict[str, torch.Tensor]]]:
     """Collective: yield (fqns, {fqn: full master-dtype tensor}) unit by unit; memory freed on advance."""
     state = get_state(module)
+    refuse_tensor_parallel(state, "iter_unit_full_params")
     for unit in state.units:
         fulls: dict[str, torch.Tensor] = {}
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
