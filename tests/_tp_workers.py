@@ -40,7 +40,8 @@ def _global(step: int, micro: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _engine(name: str, base: TinyLlama, mesh, dp_mesh, strategy: str, mp: bool,
-            checkpointing: bool, reshard: int | None) -> torch.nn.Module:
+            checkpointing: bool, reshard: int | None, compile_backend: str | None = None
+            ) -> torch.nn.Module:
     model = apply_tp(copy.deepcopy(base), mesh["tp"])
     if checkpointing:
         shardkit.wrap.checkpoint_layers(model, Block)
@@ -53,12 +54,21 @@ def _engine(name: str, base: TinyLlama, mesh, dp_mesh, strategy: str, mp: bool,
         for block in model.layers:
             fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=after)
         fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=after)
-        return model
+        return _compiled(model, compile_backend)
     precision = shardkit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mp else None
-    return shardkit.shard(model, strategy=strategy, mesh=dp_mesh, mixed_precision=precision,
-                          reshard_after_forward=reshard,
-                          auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+    model = shardkit.shard(model, strategy=strategy, mesh=dp_mesh, mixed_precision=precision,
+                           reshard_after_forward=reshard,
+                           auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+    return _compiled(model, compile_backend)
+
+
+def _compiled(model: TinyLlama, backend: str | None) -> TinyLlama:
+    """Each block compiled in place as torchtitan does (`block.compile()`), when asked."""
+    if backend is not None:
+        for block in model.layers:
+            block.compile(backend=backend)
+    return model
 
 
 def _train(model, dp: int, dp_rank: int, dp_group, steps: int, micro: int) -> dict:
@@ -112,10 +122,11 @@ def tp_dp(rank: int, world: int, strategy: str, steps: int, options: dict | None
     """TP 2 x DP (world / 2): shardkit and FSDP2 with torchtitan's TP plan, and one process.
     HYBRID_SHARD: DP is (2 replicas, world / 4 ranks per shard group). options: micro (batches
     per step, all but the last under no_sync), mp (bf16 compute), checkpointing, reshard (an
-    int reshard_after_forward)."""
+    int reshard_after_forward), compile (a torch.compile backend for every block)."""
     options = options or {}
     micro, mp = options.get("micro", 1), options.get("mp", False)
     checkpointing, reshard = options.get("checkpointing", False), options.get("reshard")
+    compiled = options.get("compile")
     dp = world // 2
     if strategy == "HYBRID_SHARD":
         mesh = init_device_mesh("cpu", (2, dp // 2, 2),
@@ -129,7 +140,8 @@ def tp_dp(rank: int, world: int, strategy: str, steps: int, options: dict | None
     torch.manual_seed(0)
     base = TinyLlama()
     out: dict = {}
-    ours = _engine("shardkit", base, mesh, dp_mesh, strategy, mp, checkpointing, reshard)
+    ours = _engine("shardkit", base, mesh, dp_mesh, strategy, mp, checkpointing, reshard,
+                   compiled)
     out["placements"] = {n: str(tuple(p.placements)) for n, p in ours.named_parameters()
                          if n in ("tok_embeddings.weight", "layers.0.attention.wq.weight",
                                   "layers.0.attention.wo.weight", "norm.weight")}
@@ -143,7 +155,8 @@ def tp_dp(rank: int, world: int, strategy: str, steps: int, options: dict | None
         # (FSDP2 with an int reshard_after_forward on a data-parallel sub-mesh hangs in
         # fully_shard: each TP rank's dp group builds its post-forward DeviceMesh with new_group
         # over its own ranks, which every rank of the world must call alike; seen with py-spy.)
-        theirs = _engine("fsdp2", base, mesh, dp_mesh, strategy, mp, checkpointing, reshard)
+        theirs = _engine("fsdp2", base, mesh, dp_mesh, strategy, mp, checkpointing, reshard,
+                         compiled)
         out["fsdp2"] = _train(theirs, dp, dp_rank, dp_group, steps, micro)
         fsdp2 = _whole(theirs)
         out["fsdp2_vs_reference"] = _distance(fsdp2, ref_weights)
