@@ -194,9 +194,8 @@ def tp_refusals(rank: int, world: int) -> dict:
         tp_model(), mesh=mesh["dp"], quantize=shardkit.Quantization(weights=True)))
     model = shardkit.shard(tp_model(), mesh=mesh["dp"])
     said["full_shape"] = tuple(shardkit.full_shape(model.tok_embeddings.weight))
-    attempt("checkpoint_save", lambda: shardkit.checkpoint.save(f"/tmp/shardkit-tp-{os.getppid()}",
-                                                                model))
-    attempt("export", lambda: shardkit.checkpoint.full_state_dict(model))
+    attempt("full_state_dict_in", lambda: shardkit.checkpoint.load_full_state_dict(
+        model, {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}))
     attempt("local_shard", lambda: shardkit.local_shard(
         model.output.weight, torch.zeros(model.output.weight.shape)))
     attempt("full_tensor_plain", lambda: shardkit.full_tensor(
@@ -251,3 +250,88 @@ def tp_beside_plain_layers(rank: int, world: int) -> dict:
             "placements": sorted({str(tuple(p.placements)) for p in model.parameters()}),
             "vs_reference": max((p.full_tensor() - r).abs().max().item()
                                 for p, r in zip(model.parameters(), ref.parameters()))}
+
+
+def _tp_step(model, opt, step: int, dp_rank: int) -> float:
+    with loss_parallel():
+        x, y = tokens(step, dp_rank)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1))
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return _value(loss)
+
+
+def _tp_shardkit(base: TinyLlama, mesh) -> torch.nn.Module:
+    return shardkit.shard(apply_tp(copy.deepcopy(base), mesh["tp"]), mesh=mesh["dp"],
+                          auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+
+
+def tp_checkpoints(rank: int, world: int, directory: str) -> dict:
+    """shardkit.checkpoint.save of TP 2 x DP 2 (model + AdamW after 3 steps) loaded into DP 4
+    without TP, into TP 4 x DP 1, into one process (consolidated), and back into TP 2 x DP 2 to
+    resume; full_state_dict; FSDP2 + TP's DCP folder into shardkit + TP, and shardkit's folder
+    into FSDP2 + TP through torch's dcp.load. Distances to the saved model's whole weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    torch.manual_seed(0)
+    base = TinyLlama()
+    ours = _tp_shardkit(base, mesh)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    for step in range(3):
+        _tp_step(ours, opt, step, dp_rank)
+    saved = _whole(ours)
+    path = os.path.join(directory, "tp2dp2")
+    shardkit.checkpoint.save(path, ours, opt, background=True).wait()
+    out: dict = {}
+    full = shardkit.checkpoint.full_state_dict(ours)
+    out["full_state_dict"] = _distance({k: v.float() for k, v in full.items()}, saved) \
+        if rank == 0 else 0.0
+    out["continued"] = [_tp_step(ours, opt, step, dp_rank) for step in range(3, 5)]
+
+    dp4 = shardkit.shard(copy.deepcopy(base), auto_wrap_policy=shardkit.wrap.transformer_layers({Block}))
+    shardkit.checkpoint.load(path, dp4)
+    out["into_dp4"] = _distance(_whole(dp4), saved)
+    tp4 = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+    wide = _tp_shardkit(base, tp4)
+    shardkit.checkpoint.load(path, wide)
+    out["into_tp4"] = _distance(_whole(wide), saved)
+    again = _tp_shardkit(base, mesh)
+    again_opt = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    shardkit.checkpoint.load(path, again, again_opt)
+    out["resumed"] = [_tp_step(again, again_opt, step, dp_rank) for step in range(3, 5)]
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        from shardkit.checkpoint.offline import consolidate
+
+        consolidated = consolidate(path, os.path.join(directory, "one-process"))
+        one = TinyLlama()
+        one.load_state_dict({k: v for f in sorted(os.listdir(consolidated))
+                             if f.endswith(".safetensors")
+                             for k, v in load_file(os.path.join(consolidated, f)).items()})
+        out["into_one_process"] = _distance({k: v.float() for k, v in one.state_dict().items()},
+                                            saved)
+    # FSDP2 + TP's DCP folder (torchtitan's layout: {"model": ...}) into shardkit + TP.
+    theirs = apply_tp(copy.deepcopy(base), mesh["tp"])
+    for block in theirs.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(theirs, mesh=mesh["dp"])
+    theirs_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    for step in range(3):
+        _tp_step(theirs, theirs_opt, step, dp_rank)
+    fsdp2_path = os.path.join(directory, "fsdp2-tp")
+    dcp.save({"model": get_model_state_dict(theirs)}, checkpoint_id=fsdp2_path)
+    from_fsdp2 = _tp_shardkit(base, mesh)
+    shardkit.checkpoint.load(fsdp2_path, from_fsdp2)
+    out["fsdp2_into_shardkit"] = _distance(_whole(from_fsdp2), _whole(theirs))
+    # shardkit's folder read by torch's own dcp.load into FSDP2 + TP.
+    state = get_model_state_dict(theirs)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(theirs, state)
+    out["shardkit_into_fsdp2"] = _distance(_whole(theirs), saved)
+    return out

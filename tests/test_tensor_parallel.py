@@ -14,7 +14,7 @@ import pytest
 
 import shardkit
 
-from _tp_workers import tp_beside_plain_layers, tp_dp, tp_refusals
+from _tp_workers import tp_beside_plain_layers, tp_checkpoints, tp_dp, tp_refusals
 
 
 def _close(a: list[float], b: list[float]) -> float:
@@ -102,6 +102,19 @@ def test_layers_tp_leaves_plain_are_replicated_over_tp_on_the_same_mesh():
         assert r["vs_reference"] < 1e-5, r
 
 
+@pytest.mark.long
+def test_a_tp_checkpoint_loads_at_every_layout_and_fsdp2s_both_ways(tmp_path):
+    # Saved at TP 2 x DP 2 (model + AdamW, in the background): each rank's piece is a block of
+    # the whole tensor (rows of TP's part), which DCP reshards on load.
+    results = shardkit.spawn(tp_checkpoints, 4, 4, str(tmp_path), threads_per_rank=1)
+    for r in results:
+        for where in ("into_dp4", "into_tp4", "fsdp2_into_shardkit", "shardkit_into_fsdp2"):
+            assert r[where] == 0.0, (where, r)
+        assert r["resumed"] == r["continued"], r  # the optimizer's state came back too
+    assert results[0]["full_state_dict"] == 0.0
+    assert results[0]["into_one_process"] == 0.0  # consolidated to safetensors, loaded unsharded
+
+
 def test_a_tensor_parallel_model_is_refused_where_shardkit_does_not_handle_it_yet():
     said = shardkit.spawn(tp_refusals, 2, 2, threads_per_rank=1)[0]
     assert "is already a DTensor" in said["no_mesh"] and "pass mesh=mesh['dp']" in said["no_mesh"]
@@ -110,11 +123,9 @@ def test_a_tensor_parallel_model_is_refused_where_shardkit_does_not_handle_it_ye
         assert said[name].startswith(f"{setting} with a tensor-parallel model"), said[name]
         assert "not supported yet" in said[name]
     assert said["full_shape"] == (64, 32)  # TP's global shape, not this rank's part
-    # shardkit's checkpoint would see only this rank's TP part of each parameter: refused,
-    # naming torch's state-dict API (which the parity tests above use).
-    for name in ("checkpoint_save", "export"):
-        assert "does not handle tensor-parallel parameters yet" in said[name], said[name]
-        assert "get_model_state_dict" in said[name]
+    # Whole tensors read by this rank's rows alone would fill a TP part with the wrong rows.
+    assert "into a tensor-parallel parameter ('tok_embeddings.weight'" in said["full_state_dict_in"]
+    assert "set_model_state_dict" in said["full_state_dict_in"]
     assert "distribute_tensor(full, p.device_mesh, p.placements" in said["local_shard"]
     assert "pass the DTensor" in said["full_tensor_plain"]
     assert said["full_tensor_dtensor"] == (64, 32)

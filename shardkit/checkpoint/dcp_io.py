@@ -40,11 +40,16 @@ METADATA_FILE = ".metadata"
 @dataclass(frozen=True)
 class FlatChunk:
     """This rank's elements ``[offset, offset + local.numel())`` of a flattened tensor of shape
-    ``full_shape``: whole rows of it wherever the shape has dimensions (a row block on disk)."""
+    ``full_shape``: whole rows of it wherever the shape has dimensions (a row block on disk).
+
+    Or, where `block` is given ((offsets, sizes) per dimension), that rectangular block of the
+    full tensor, `local` holding it row-major: a tensor-parallel parameter's piece (its
+    data-parallel rows of TP's part), which whole rows cannot describe."""
 
     local: torch.Tensor  # 1-D; written from on save, read into (in place) on load
     offset: int
     full_shape: tuple[int, ...]
+    block: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def full_numel(self) -> int:
@@ -52,6 +57,12 @@ class FlatChunk:
         return math.prod(self.full_shape)
 
     def _block(self) -> tuple[list[int], list[int]]:
+        if self.block is not None:
+            offsets, sizes = self.block
+            if math.prod(sizes) != self.local.numel():
+                raise ValueError(f"a block of sizes {sizes} holds {math.prod(sizes)} elements, "
+                                 f"the chunk {self.local.numel()}")
+            return list(offsets), list(sizes)
         shape = list(self.full_shape)
         if not shape:
             return [], []

@@ -98,7 +98,8 @@ def save_chunks_from_host(directory: str, chunks: dict[str, SaveItem], ctx: Any)
 
 def load_chunks_to_device(directory: str, chunks: dict[str, FlatChunk]) -> None:
     """Fill each FlatChunk in place (on its device) from this rank's overlap with the stored chunks."""
-    hosted = {k: FlatChunk(torch.empty(c.local.numel(), dtype=c.local.dtype), c.offset, c.full_shape)
+    hosted = {k: FlatChunk(torch.empty(c.local.numel(), dtype=c.local.dtype), c.offset, c.full_shape,
+                        c.block)
               for k, c in chunks.items()}
     load_chunks(directory, hosted, no_dist=True)
     with torch.no_grad():

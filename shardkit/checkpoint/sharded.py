@@ -59,7 +59,8 @@ def _chunk(local: torch.Tensor, view: ShardView, reading: bool = False,
     shape = _stored_shape(view.full_shape, format_version)
     if reading and view.replicated:  # every rank holds it; shard rank 0 wrote it
         return FlatChunk(local.detach().view(-1), 0, shape)
-    return FlatChunk(local.detach().view(-1)[:view.valid_numel], view.offset, shape)
+    # Beside tensor parallelism the real rows are a block of the whole tensor, not whole rows.
+    return FlatChunk(local.detach().view(-1)[:view.valid_numel], view.offset, shape, view.block)
 
 
 def _whole(tensor: torch.Tensor) -> FlatChunk:
@@ -69,7 +70,7 @@ def _whole(tensor: torch.Tensor) -> FlatChunk:
 def _writes(view: ShardView) -> bool:
     # One replica writes each chunk; ranks whose shard is all padding write nothing.
     first_replica = view.replica_group is None or view.replica_group.rank == 0
-    return first_replica and view.valid_numel > 0
+    return first_replica and view.tp_writer and view.valid_numel > 0
 
 
 def _optimizer_state(model, optimizer):

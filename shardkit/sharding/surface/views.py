@@ -13,6 +13,11 @@ internals can change without touching checkpoint code:
   padded rows and back; ``shard_group``/``replica_group`` say which ranks hold the other
   slices (replica None: no replication); ``replicated``: a 0-d parameter every rank of its shard
   group holds (and so loads), which shard rank 0 alone writes; tied names give one view each.
+  Beside tensor parallelism a parameter's elements are a rectangular ``block`` ((offsets, sizes)
+  per dimension) of the whole tensor, not whole rows: ``local.view(-1)[:valid_numel]`` holds
+  that block row-major, ``full_shape`` is TP's global shape, and ``writes`` says whether this
+  rank writes it (one rank per distinct block: TP's replicas of a parameter it did not split
+  write once).
 - ``shard_views(model)``: every view, in state_dict order (buffers are not included: they are
   full and replicated, and read from the module as usual).
 - ``iter_unit_full_params(model)``: collective; yields ``(fqns, {fqn: full tensor})`` one unit at
@@ -38,7 +43,7 @@ from ...handles import Group
 from ..step.comms import gather_exact
 from .module_api import get_state
 from ..step.param import ShardedParam
-from ..step.state import ShardState
+from ..step.whole_view import full_of
 
 
 @dataclass(frozen=True)
@@ -59,44 +64,55 @@ class ShardView:
     replica_group: Group | None
     requires_grad: bool
     replicated: bool = False  # a 0-d DTensor parameter: every rank of the shard group holds it
-
-
-def refuse_tensor_parallel(state: ShardState, what: str) -> None:
-    """Raise for a model with tensor-parallel parameters: `what` reads whole tensors by the
-    data-parallel rows alone, which would hold or write only this rank's TP part as if whole."""
-    tp = next((sp.fqn for sp in state.iter_params() if sp.tp_spec is not None), None)
-    if tp is not None:
-        raise ShardkitError(
-            f"{what} does not handle tensor-parallel parameters yet ({tp!r} is a DTensor of "
-            "parallelize_module): it would see only this rank's tensor-parallel part of each. "
-            "HINT: use torch's state-dict API, which sees both dimensions: "
-            "torch.distributed.checkpoint.state_dict.get_model_state_dict(model) with dcp.save / "
-            "dcp.load, or StateDictOptions(full_state_dict=True) for whole tensors")
+    block: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # TP: this rank's block
+    tp_writer: bool = True  # False on TP's copies of a parameter TP did not split
 
 
 def shard_views(module: nn.Module) -> list[ShardView]:
     """Every sharded parameter of a module returned by shardkit.shard(), in state_dict order."""
     state = get_state(module)
-    refuse_tensor_parallel(state, "shardkit's checkpoint (save, load, export, full_state_dict)")
     by_fqn = state.params_by_fqn()
     views = []
     for fqn in module.state_dict(keep_vars=True):
         sp = by_fqn.get(fqn)
         if sp is None:
             continue  # a buffer
-        views.append(ShardView(fqn, sp.full_shape, sp.master_dtype, sp.sharded, sp.local,
+        block, writer = _tp_block(sp)
+        views.append(ShardView(fqn, sp.whole_shape, sp.master_dtype, sp.sharded, sp.local,
                                sp.as_rows, sp.as_user, sp.shard_numel,
                                sp.offset, sp.valid_numel, state.shard_group, state.replica_group,
-                               sp.requires_grad, sp.replicated_scalar))
+                               sp.requires_grad, sp.replicated_scalar, block, writer))
     return views
+
+
+def _tp_block(sp: ShardedParam) -> tuple[tuple[tuple[int, ...], tuple[int, ...]] | None, bool]:
+    """(this rank's block of the whole tensor, whether it writes it) for a tensor-parallel
+    parameter, as torch lays out its DTensor; (None, True) for any other."""
+    if sp.tp_spec is None:
+        return None, True
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    spec = sp.sharded._spec  # type: ignore[attr-defined]
+    shape, offset = compute_local_shape_and_global_offset(sp.whole_shape, spec.mesh,
+                                                          spec.placements)
+    # Where TP did not split it, TP's ranks hold the same block: the first of them writes it.
+    writer = sp.tp_group is not None or sp.tp_spec.mesh.get_local_rank(0) == 0
+    return (tuple(offset), tuple(shape)), writer
 
 
 def iter_unit_full_params(module: nn.Module) -> Iterator[tuple[list[str], dict[str, torch.Tensor]]]:
     """Collective: yield (fqns, {fqn: full master-dtype tensor}) unit by unit; memory freed on advance."""
     state = get_state(module)
-    refuse_tensor_parallel(state, "iter_unit_full_params")
     for unit in state.units:
         fulls: dict[str, torch.Tensor] = {}
+        if any(sp.tp_spec is not None for sp in unit.params):
+            # Beside tensor parallelism the whole tensor spans both dimensions: DTensor gathers it.
+            for sp in unit.params:
+                full = full_of(sp.sharded.detach())
+                fulls.update({fqn: full for fqn in sp.fqns})
+            yield [fqn for sp in unit.params for fqn in sp.fqns], fulls
+            del fulls
+            continue
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
         for sp in unit.params:
             by_dtype.setdefault(sp.master_dtype, []).append(sp)
@@ -112,7 +128,9 @@ def iter_unit_full_params(module: nn.Module) -> Iterator[tuple[list[str], dict[s
 
 def load_full_param_(module: nn.Module, fqn: str, full: torch.Tensor) -> None:
     """Copy this rank's slice of a full tensor into the sharded parameter in place (no communication)."""
-    _sharded_param(module, fqn).load_full(full.detach())
+    sp = _sharded_param(module, fqn)
+    _refuse_tensor_parallel(sp, "loading a full tensor")
+    sp.load_full(full.detach())
 
 
 def load_param_rows_(module: nn.Module, fqn: str,
@@ -120,7 +138,18 @@ def load_param_rows_(module: nn.Module, fqn: str,
     """Fill the sharded parameter with this rank's rows of a full tensor, asking `read` for just
     those rows (`read(None)`: the whole tensor, for a 0-d parameter); no communication."""
     sp = _sharded_param(module, fqn)
+    _refuse_tensor_parallel(sp, "loading a full state dict")
     sp.load_rows(read(sp.row_span()))
+
+
+def _refuse_tensor_parallel(sp: ShardedParam, what: str) -> None:
+    if sp.tp_spec is not None:
+        raise ShardkitError(
+            f"{what} into a tensor-parallel parameter ({sp.fqn!r}, a DTensor of "
+            "parallelize_module) is not supported yet: its rows are not this rank's piece. HINT: "
+            "torch.distributed.checkpoint.state_dict.set_model_state_dict(model, full_state_dict, "
+            "options=StateDictOptions(full_state_dict=True)) loads whole tensors into both "
+            "dimensions")
 
 
 def _sharded_param(module: nn.Module, fqn: str) -> ShardedParam:
