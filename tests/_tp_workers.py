@@ -335,3 +335,27 @@ def tp_checkpoints(rank: int, world: int, directory: str) -> dict:
     set_model_state_dict(theirs, state)
     out["shardkit_into_fsdp2"] = _distance(_whole(theirs), saved)
     return out
+
+
+def tp_uneven(rank: int, world: int) -> dict:
+    """Layers whose width does not split evenly over TP 2 x DP 2 (13, 5, 3 and 1 rows: some
+    ranks short, some empty): each whole parameter read back through DTensor after shard(), and
+    after a checkpoint round trip, per width. (Only the layout: torch's RowwiseParallel cannot
+    run a forward on an uneven width, its DTensor.from_local infers the even global shape.)"""
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for rows in (13, 5, 3, 1):
+        torch.manual_seed(rows)
+        model = nn.Sequential(nn.Linear(8, rows), nn.ReLU(), nn.Linear(rows, 8))
+        ref = copy.deepcopy(model)
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        model = shardkit.shard(model, mesh=mesh["dp"])
+        out[rows] = max((p.full_tensor() - r).abs().max().item()
+                        for p, r in zip(model.parameters(), ref.parameters()))
+        out[f"{rows} full_state_dict"] = max(
+            (v - ref.state_dict()[k]).abs().max().item()
+            for k, v in shardkit.checkpoint.full_state_dict(model, rank0_only=False).items())
+    return out

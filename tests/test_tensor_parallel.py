@@ -14,7 +14,7 @@ import pytest
 
 import shardkit
 
-from _tp_workers import tp_beside_plain_layers, tp_checkpoints, tp_dp, tp_refusals
+from _tp_workers import tp_beside_plain_layers, tp_checkpoints, tp_dp, tp_refusals, tp_uneven
 
 
 def _close(a: list[float], b: list[float]) -> float:
@@ -113,6 +113,13 @@ def test_a_tp_checkpoint_loads_at_every_layout_and_fsdp2s_both_ways(tmp_path):
         assert r["resumed"] == r["continued"], r  # the optimizer's state came back too
     assert results[0]["full_state_dict"] == 0.0
     assert results[0]["into_one_process"] == 0.0  # consolidated to safetensors, loaded unsharded
+
+
+@pytest.mark.long
+def test_widths_that_split_unevenly_over_tp_and_dp_are_laid_out_as_torchs_dtensor():
+    # 13, 5, 3 and 1 rows over TP 2 x DP 2: short and empty pieces, read back whole exactly.
+    for r in shardkit.spawn(tp_uneven, 4, 4, threads_per_rank=1):
+        assert max(r.values()) == 0.0, r
 
 
 def test_a_tensor_parallel_model_is_refused_where_shardkit_does_not_handle_it_yet():

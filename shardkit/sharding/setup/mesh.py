@@ -51,7 +51,8 @@ def tensor_parallel_meshes(model: nn.Module) -> list[Any]:
     meshes: list[Any] = []
     for param in model.parameters():
         mesh = getattr(param, "device_mesh", None) if is_dtensor(param) else None
-        if mesh is not None and all(mesh is not m for m in meshes):
+        # (equal meshes are one: torch may hand out a new object for the same mesh["tp"])
+        if mesh is not None and all(mesh is not m and mesh != m for m in meshes):
             meshes.append(mesh)
     return meshes
 

@@ -78,6 +78,8 @@ class ShardedParam:
         # The engine's shard: padded rows, what collectives read and the optimizer's updates land in.
         self.local = torch.zeros(self.shard_shape, dtype=self.master_dtype, device=shard_device)
         self.sharded = nn.Parameter(self.as_user(self.local), requires_grad=orig.requires_grad)
+        if self.tp_spec is not None:
+            check_tp_layout(self.fqn, self.sharded, self.whole_shape)
         self.is_meta = orig.device.type == "meta"
         if not self.is_meta:
             self.load_full(orig.detach())
@@ -230,6 +232,24 @@ class ShardedParam:
         param = self.unsharded if unsharded else self.sharded
         for module, name in self.owners:
             module._parameters[name] = param
+
+
+def check_tp_layout(fqn: str, param: Any, whole_shape: torch.Size) -> None:
+    """Raise where the rows this rank keeps of TP's part are not the local tensor torch's DTensor
+    layout gives it: every idiom reading the parameter (full_tensor, norms, checkpoints) would
+    then put values in the wrong places, silently."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    spec = param._spec
+    expected, _ = compute_local_shape_and_global_offset(whole_shape, spec.mesh, spec.placements)
+    if tuple(expected) != tuple(param._local_tensor.shape):
+        from ...errors import ShardkitError
+
+        raise ShardkitError(
+            f"parameter {fqn!r} of shape {tuple(whole_shape)}: this rank keeps "
+            f"{tuple(param._local_tensor.shape)} of tensor parallelism's part, where torch lays "
+            f"{spec.placements} out as {tuple(expected)}. HINT: make its dimension 0 a multiple of "
+            "the data-parallel x tensor-parallel size")
 
 
 def tp_split_group(spec: Any) -> Group | None:
