@@ -117,7 +117,11 @@ def test_by_hand_ranks_out_of_step_get_the_debug_hint_not_a_dead_rank(tmp_path, 
         assert expected in lines[-1], outs[rank]
         assert "died" not in outs[rank]
         assert len(lines) <= (12 if with_finally else 1), outs[rank]
-        assert ended[rank] - failed_at < TIMEOUT_S + 8, (rank, ended[rank] - failed_at)
+        # Ended by the 5 s collective timeout, not a hang to the default one (minutes). The slack
+        # is sized from the worst measured under load: 23.8 s after the failure with 8 ranks of
+        # another test beside it, 22.3 s beside 10 busy loops (load 9-12 on 2 cores), where
+        # 8 s of slack failed; 2-3 s on a quiet machine.
+        assert ended[rank] - failed_at < TIMEOUT_S + 30, (rank, ended[rank] - failed_at)
 
 
 @pytest.mark.slow
