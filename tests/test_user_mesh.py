@@ -18,7 +18,9 @@ from _mesh_workers import on_a_mesh, refusals
 
 @pytest.mark.parametrize("strategy, world, extra", [
     ("FULL_SHARD", 2, {}),
-    pytest.param("SHARD_GRAD_OP", 2, {}, marks=pytest.mark.long),
+    # CI: FULL_SHARD here and SHARD_GRAD_OP beside TP (test_tensor_parallel.py); NO_SHARD's
+    # groups come from the same mesh dimension. Extended for CI's 90 minutes.
+    pytest.param("SHARD_GRAD_OP", 2, {}, marks=pytest.mark.extended),
     pytest.param("NO_SHARD", 2, {}, marks=pytest.mark.long),
     pytest.param("HYBRID_SHARD", 4, {}, marks=pytest.mark.long),
     pytest.param("FULL_SHARD", 4, {"reshard_after_forward": 2}, marks=pytest.mark.long),
