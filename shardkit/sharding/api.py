@@ -243,7 +243,6 @@ class _Choices:
     free_without_backward: list[bool]
     sync: bool
     mesh: object = None  # the user's DeviceMesh, or None
-    shard_groups: list[list[int]] | None = None  # every shard group, where they stride (TP beside)
     tp_mesh: object = None  # the mesh of the model's tensor-parallel parameters, or None
 
 
@@ -280,7 +279,6 @@ def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixe
                             "parameters you train, with its layers already built")
     return _Choices(device, config, units, hybrid_group_size, reshard,
                     frees_without_backward(reshard_after_forward, units, config), sync, mesh,
-                    None if mesh is None else all_shard_groups(mesh, tp_meshes),
                     tp_meshes[0] if tp_meshes else None)
 
 
@@ -296,8 +294,10 @@ def _make_runtime(ctx: DistContext, choices: _Choices,
         shard_group, replica_group = make_groups(maker, ctx.world, choices.config.strategy,
                                                  choices.hybrid_group_size,
                                                  ctx.env.local_world_size)
+    shard_groups = None if choices.tp_mesh is None else all_shard_groups(choices.mesh,
+                                                                         [choices.tp_mesh])
     reshard_groups = make_reshard_groups(maker, ctx.world, shard_group, choices.reshard,
-                                         choices.shard_groups)
+                                         shard_groups)
     state = ShardState(maybe_wrap(be, verify, ctx.timeout), choices.device, ctx.world, shard_group,
                        replica_group, choices.config,
                        ranks_per_node=ctx.env.local_world_size or None)
