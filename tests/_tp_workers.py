@@ -189,6 +189,9 @@ def tp_refusals(rank: int, world: int) -> dict:
 
     attempt("no_mesh", lambda: shardkit.shard(tp_model()))
     attempt("overlapping_meshes", lambda: shardkit.shard(tp_model(across["tp"]), mesh=flat))
+    # The shard group is the data-parallel mesh's (1 rank here), not the world's 2.
+    attempt("reshard_wider_than_dp", lambda: shardkit.shard(
+        tp_model(across["tp"]), mesh=across["dp"], reshard_after_forward=2))
     attempt("sync", lambda: shardkit.shard(tp_model(), mesh=mesh["dp"], sync_module_states=True))
     attempt("quantize", lambda: shardkit.shard(
         tp_model(), mesh=mesh["dp"], quantize=shardkit.Quantization(weights=True)))

@@ -128,6 +128,7 @@ def test_a_tensor_parallel_model_is_refused_where_shardkit_does_not_handle_it_ye
     said = shardkit.spawn(tp_refusals, 2, 2, threads_per_rank=1)[0]
     assert "is already a DTensor" in said["no_mesh"] and "pass mesh=mesh['dp']" in said["no_mesh"]
     assert "are not two dimensions of one mesh over the job's 2 ranks" in said["overlapping_meshes"]
+    assert "=2 must divide the shard group size 1" in said["reshard_wider_than_dp"]
     for name, setting in (("sync", "sync_module_states=True"), ("quantize", "quantize=")):
         assert said[name].startswith(f"{setting} with a tensor-parallel model"), said[name]
         assert "not supported yet" in said[name]

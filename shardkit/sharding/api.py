@@ -262,10 +262,14 @@ def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixe
     units = plan_units(model, as_policy(auto_wrap_policy))
     n_shard = shard_group_size(config.strategy, hybrid_group_size, ctx.env.local_world_size,
                                ctx.world.size)
+    if mesh is not None and config.strategy is not ShardingStrategy.NO_SHARD:
+        n_shard = int(mesh.shape[-1])  # the mesh's shard dimension: beside TP, less than the world
     reshard = resolve(reshard_after_forward, units, config, n_shard)
     sync = _sync_module_states(sync_module_states, be)
     if tp_meshes:
-        check_tensor_parallel_options(config.strategy, sync, has_meta(model),
+        # (a rehearsal's meta model is its own device, nothing to initialise)
+        check_tensor_parallel_options(config.strategy, sync,
+                                      has_meta(model) and be.capabilities.holds_values,
                                       config.cpu_offload, bool(config.quantization.weights
                                                                or config.quantization.gradients))
     if be.capabilities.holds_values:  # a rehearsal has no peers to ask
