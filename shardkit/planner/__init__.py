@@ -10,7 +10,8 @@ rehearsed step as a timeline affine in the batch), workload (rehearsals kept per
 fit (the largest batch / fewest ranks in a memory budget), measure (`--measure`: the planned
 step trained here, planned vs measured), nodes (bytes across nodes), steptime, scale and
 compute_times (step time at scale), recovery (what a rank recovering under fault tolerance
-receives), cli (`shardkit plan`).
+receives), tensor_parallel (`tp=`: torch's TP plan applied on a mesh of fake process groups,
+its collectives counted as the rehearsed step issues them), cli (`shardkit plan`).
 """
 from importlib import import_module
 from typing import TYPE_CHECKING, Any

@@ -146,6 +146,10 @@ class LiveBytes(TorchDispatchMode):
     @override
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """Run the op and count the storages it created."""
+        if on_dtensors(types):
+            # DTensor then runs it as its local ops and collectives, each seen here: a DTensor
+            # op's temporaries (a redistributed input) are allocations too.
+            return NotImplemented
         out = _meta_kernel_gap(func, args, kwargs or {})
         if out is None:
             out = func(*args, **(kwargs or {}))
@@ -162,6 +166,17 @@ class LiveBytes(TorchDispatchMode):
                 self._allocate(self._scratch, scratch)
                 self._free(self._scratch)
         return out
+
+
+def on_dtensors(types: Any) -> bool:
+    """Whether an op's tensor types include torch's DTensor (tensor parallelism's parameters).
+
+    A dispatch mode sees a DTensor op before DTensor does, with DTensors for arguments: their
+    storage a stand-in of the global size, and the op's own work (local ops, the collectives
+    of a redistributed input) run unseen inside. Returning NotImplemented hands it to DTensor,
+    whose local ops and collectives then come to the mode one by one."""
+    return any(t.__name__ == "DTensor" and t.__module__.startswith("torch.distributed")
+               for t in types)
 
 
 # torch's grouped matrix multiply, where this torch has one.

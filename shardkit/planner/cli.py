@@ -212,6 +212,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="measured bandwidth between nodes, GB/s per rank (overrides --link's)")
     t.add_argument("--link-latency-us", type=non_negative_float, default=None,
                    help="measured latency per ring step between nodes, microseconds")
+    tp = p.add_argument_group("tensor parallel inside, shardkit across")
+    tp.add_argument("--tp", type=positive_int, default=None, metavar="N",
+                    help="torch's tensor parallelism over N consecutive ranks (inside a node); "
+                         "--world-size counts every rank, --strategy is the data-parallel one")
+    tp.add_argument("--tp-plan", default=None, metavar="MODULE:FUNCTION",
+                    help="fn(model, tp_mesh) calling parallelize_module as the training script "
+                         "does (default: a transformers model's own tp_plan)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=run)
     return p
@@ -221,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     """Build the model, plan it and print the table (or JSON)."""
     from .build import plan
     from .models import (default_hf_wrap, from_factory, from_hf_config, hf_config,
-                         wrap_by_class_names)
+                         import_callable, wrap_by_class_names)
 
     quantize = quantization(args.quantize, args.quantize_block)  # before building the model
     if args.hf_config is not None:
@@ -253,6 +260,16 @@ def run(args: argparse.Namespace) -> int:
                          or args.device_memory is not None or args.step_time is not None):
         raise ShardkitError("--measure checks one plan with its step: give --batch (and --seq) "
                             "and a number for --world-size, without --device-memory or --step-time")
+    if args.tp_plan is not None and args.tp is None:
+        raise ShardkitError("--tp-plan needs --tp N (the tensor-parallel degree)")
+    if args.tp is not None and (args.device_memory is not None or args.world_size == "auto"
+                                or args.step_time is not None or args.measure):
+        raise ShardkitError("--tp plans one layout at one --world-size: --device-memory, "
+                            "--world-size auto, --step-time and --measure do not take it yet. "
+                            "HINT: plan each layout in its own command")
+    if args.tp is not None:
+        options.update(tp=args.tp, tp_plan=None if args.tp_plan is None else import_callable(
+            args.tp_plan, "MODULE:FUNCTION"))
     if args.device_memory is not None or args.world_size == "auto":
         return _fit(args, model, options, heading)
     if args.step_time is not None:

@@ -18,11 +18,12 @@ from ..sharding.wrap_policies import WrapPolicy, transformer_layers
 
 
 
-def from_factory(target: str, device: str = "meta") -> nn.Module:
-    """Import `module:factory` (dots allowed after the colon) and call it under torch.device(device)."""
+def import_callable(target: str, what: str = "MODULE:FACTORY") -> Any:
+    """The callable `module:attr` names (dots allowed after the colon), imported as `python -m`
+    would import it (the working directory on the path)."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
-        raise ShardkitError(f"expected MODULE:FACTORY (e.g. mypkg.models:build), got {target!r}")
+        raise ShardkitError(f"expected {what} (e.g. mypkg.models:build), got {target!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's own files import
     try:
@@ -34,7 +35,13 @@ def from_factory(target: str, device: str = "meta") -> nn.Module:
             raise ShardkitError(f"{module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ShardkitError(f"{target!r} is not callable; it must return an nn.Module")
+        raise ShardkitError(f"{target!r} is not callable")
+    return obj
+
+
+def from_factory(target: str, device: str = "meta") -> nn.Module:
+    """Import `module:factory` (dots allowed after the colon) and call it under torch.device(device)."""
+    obj = import_callable(target)
     with torch.device(device):
         model = obj()
     if not isinstance(model, nn.Module):

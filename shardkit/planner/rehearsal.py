@@ -12,6 +12,10 @@ gathered parameters, buffers, pooled buffers and gradient shards, the optimizer'
 temporaries. A change to the engine's schedule changes the plan with no edit here.
 
 The rehearsal is rank 0 of `world_size` ranks (the fullest: padding goes to the last ranks).
+Beside tensor parallelism (plan(tp=)) the meta copy is first parallelized with the user's TP plan
+on a mesh of torch's fake process groups (tensor_parallel.py) and sharded on its data-parallel
+dimension(s), as the training script would shard it; the step runs under loss_parallel, and
+TP's own collectives are counted as it issues them.
 Under cpu_offload the host's tensors are meta tensors too (Backend.host_device); those alive at
 the end of the step (shards, gradients, optimizer state) are left out of the device's count.
 """
@@ -37,6 +41,8 @@ from ..logs import logger
 from .activations import (FusedAttention, InputsFn, LiveBytes, model_loss, token_inputs,
                           traceable_on_meta, with_fused_attention)
 from .replay import StepRecord
+from .tensor_parallel import (TensorParallel, TensorParallelTraffic, data_parallel_mesh, fake_world,
+                              parallelized)
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adadelta": torch.optim.Adadelta,
@@ -50,10 +56,12 @@ class RehearsalBackend(Backend):
     name = "rehearsal"
     device_type = "meta"
 
-    def __init__(self, target: Capabilities, world_size: int) -> None:
-        # Per instance, not per class: each plan rehearses its own target.
+    def __init__(self, target: Capabilities, world_size: int, fake_groups: bool = False) -> None:
+        # Per instance, not per class: each plan rehearses its own target. With fake_groups the
+        # parameters are DTensors on a mesh of torch's fake process groups (a TP rehearsal:
+        # tensor_parallel.py); the engine's own collectives still come here and move nothing.
         self.capabilities = dataclasses.replace(  # type: ignore[misc]
-            target, torch_process_group=False, holds_values=False)
+            target, torch_process_group=fake_groups, holds_values=False)
         self.world_size = world_size
         self.tracker: LiveBytes | None = None
         # The tensors collectives took: the tracker's allocation number -> (bytes, storage).
@@ -84,8 +92,8 @@ class RehearsalBackend(Backend):
 
     @override
     def process_group_backend(self) -> str:
-        """None: no torch process group is made."""
-        return "none"
+        """torch's fake process groups where a TP rehearsal's mesh has them, else none."""
+        return "fake" if self.capabilities.torch_process_group else "none"
 
     @override
     def normalize_device(self, device_id: Any, local_rank: int) -> torch.device:
@@ -226,6 +234,7 @@ class Rehearsal:
 
     record: StepRecord  # the second step's device allocations and frees, what was live first
     comm: dict[str, int]  # the engine's CommStats of that step, as comm_stats(model) says them
+    tp_comm: dict[str, Any] | None = None  # tensor parallelism's collectives in that step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,23 +248,39 @@ class StepSetup:
     target_device_type: str  # decides the optimizer's foreach path, as torch decides it
     checkpoint_classes: tuple[type, ...]  # activation checkpointing on these layers, or ()
     threads: int = 1  # intra-op threads per rank (kernel workspaces per thread)
+    tensor_parallel: TensorParallel | None = None  # TP inside, on a fake mesh (tensor_parallel.py)
+    dp_shape: tuple[int, ...] = ()  # the data-parallel mesh's shape beside TP: (ranks,) or (replicas, group)
 
 
 def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
              inputs: InputsFn | None) -> Rehearsal:
     """Shard a meta copy of `model` as `setup` says, train two steps, record the second."""
+    tp = setup.tensor_parallel
+    if tp is None:
+        with torch.device("meta"):
+            twin = copy.deepcopy(model).to("meta")  # hooks, casts and checkpointing stay off `model`
+        return _rehearse(model, twin, setup, batch, seq, inputs)
+    with fake_world(setup.world_size, setup.dp_shape, tp.size) as mesh:
+        twin = parallelized(model, tp, mesh)
+        setup = dataclasses.replace(setup, shard_kwargs={**setup.shard_kwargs,
+                                                         "mesh": data_parallel_mesh(mesh)})
+        return _rehearse(model, twin, setup, batch, seq, inputs)
+
+
+def _rehearse(model: nn.Module, twin: nn.Module, setup: StepSetup, batch: int, seq: int,
+              inputs: InputsFn | None) -> Rehearsal:
     from ..job.runtime import DistContext, acting_context
     from ..sharding.api import shard
     from ..sharding.surface.recipes import checkpoint_layers
     from ..sharding import comm_stats
 
-    backend = RehearsalBackend(setup.target, setup.world_size)
+    tp = setup.tensor_parallel
+    backend = RehearsalBackend(setup.target, setup.world_size, fake_groups=tp is not None)
     world = Group(0, setup.world_size, tuple(range(setup.world_size)))
     env = LaunchEnv(0, setup.world_size, 0, setup.world_size, "127.0.0.1", None, "planner")
     context = DistContext(backend, env, torch.device("meta"), world)
-    with torch.device("meta"):
-        twin = copy.deepcopy(model).to("meta")  # hooks, casts and checkpointing stay off `model`
     make_inputs = inputs or token_inputs(twin)
+    traffic = TensorParallelTraffic() if tp is not None else None
     tracker = LiveBytes(workspace=setup.target.kernel_workspace, threads=setup.threads)
     backend.tracker = tracker
     runs_fused = setup.target.fused_attention
@@ -276,10 +301,12 @@ def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
                 checkpoint_layers(twin, setup.checkpoint_classes)
             optimizer = _optimizer(setup, twin)
             args, kwargs = make_inputs(batch, seq)  # the batch is on the device during the step
-            _train_step(twin, optimizer, args, kwargs)
+            with _sharded_loss(tp is not None):
+                _train_step(twin, optimizer, args, kwargs)
             comm_stats(twin, reset=True)  # the second step's traffic only
             tracker.begin_window()
-            _train_step(twin, optimizer, args, kwargs, zero_grad=False)
+            with _sharded_loss(tp is not None), traffic or contextlib.nullcontext():
+                _train_step(twin, optimizer, args, kwargs, zero_grad=False)
             host = _host_storages(twin, optimizer) if setup.shard_kwargs.get("cpu_offload") else set()
             # A library that releases a finished collective's tensors late (Capabilities.
             # collective_tensors_linger) may hold the largest one into any moment of the step.
@@ -301,7 +328,17 @@ def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
     finally:
         if collecting:
             gc.enable()
-    return Rehearsal(record, comm)
+    return Rehearsal(record, comm, traffic.snapshot() if traffic is not None else None)
+
+
+def _sharded_loss(tensor_parallel: bool) -> contextlib.AbstractContextManager:
+    """torch's loss_parallel under TP: logits a TP plan leaves sharded over the vocabulary (its
+    output layer's Shard(-1)) are taken as torchtitan's loop takes them, without a gather."""
+    if not tensor_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict,

@@ -82,6 +82,10 @@ class Plan:
     # fault_tolerant=True: the copy of its shards and optimizer state a rejoining rank receives
     # (host memory; inside peak_bytes where the device is the host): planner/recovery.py
     recovery_bytes: int = 0
+    # tp=: torch's tensor parallelism inside over this many ranks (world_size = tp x data
+    # parallel); the groups and comm above are the data-parallel dimension's, comm["tp"] TP's.
+    tensor_parallel: int = 1
+    tp_plan: str = ""  # where the TP plan came from
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-friendly builtins (units as a list of dicts)."""
@@ -105,8 +109,11 @@ class Plan:
 
     def table(self) -> str:
         """A readable text table: one line per unit, then per-rank totals."""
+        layout = "" if self.tensor_parallel == 1 else (
+            f" = tensor parallel {self.tensor_parallel} x data parallel "
+            f"{self.world_size // self.tensor_parallel}, TP plan {self.tp_plan};")
         head = (f"shardkit plan: {self.param_count:,} params ({self.trainable_count:,} trainable), "
-                f"{self.strategy} on {self.world_size} rank(s) (shard group "
+                f"{self.strategy} on {self.world_size} rank(s){layout} (shard group "
                 f"{self.shard_group_size}, replicas {self.replica_group_size})\n"
                 f"compute {self.param_dtype or 'as stored'}, reduce "
                 f"{self.reduce_dtype or 'as stored'}, optimizer {self.optimizer}"
@@ -125,9 +132,10 @@ class Plan:
                   f"{_size(self.persistent_device)}, host {_size(self.persistent_host)})",
                   f"largest gathered unit: {self.largest_unit} ({_size(self.largest_unit_bytes)})",
                   self._peak_line(),
-                  f"sent per rank per step: {_size(self.comm['total'])} = " + " + ".join(
-                      f"{k} {_size(self.comm[k])} ({self.comm['calls'].get(k, 0)} calls)"
-                      for k in COLLECTIVES)]
+                  f"sent per rank per step{', data parallel' if self.tensor_parallel > 1 else ''}"
+                  f": {_traffic(self.comm)}"]
+        if self.tensor_parallel > 1:
+            lines.append(self._tensor_parallel_line())
         if "inter_node_by_rank" in self.comm:
             lines.append(self._inter_node_line())
         if self.recovery_bytes:
@@ -136,12 +144,26 @@ class Plan:
                          "in the peak where the device is the host)")
         return "\n".join(lines)
 
+    def _tensor_parallel_line(self) -> str:
+        """TP's own collectives: counted from the rehearsed step, so only with a batch."""
+        if self.comm.get("tp") is None:
+            return ("sent per rank per step, tensor parallel: activations, not counted without a "
+                    "step (give --batch and --seq)")
+        return f"sent per rank per step, tensor parallel (rehearsed): {_traffic(self.comm['tp'])}"
+
     def _inter_node_line(self) -> str:
         per_rank = [r["total"] for r in self.comm["inter_node_by_rank"]]
         shown = ", ".join(f"rank {i} {_size(b)}" for i, b in enumerate(per_rank[:8]))
         more = f", ... ({len(per_rank)} ranks)" if len(per_rank) > 8 else ""
         return (f"sent to another node per step ({self.comm['nodes']} nodes, ring order; "
                 f"all-to-alls by peer): {_size(sum(per_rank))} in all; {shown}{more}")
+
+
+def _traffic(comm: dict[str, Any]) -> str:
+    """"total = kind bytes (calls) + ..." for a comm dict of CommStats' form."""
+    kinds = list(COLLECTIVES) + [k for k in ("all_to_all", "broadcast") if k in comm]
+    return f"{_size(comm['total'])} = " + " + ".join(
+        f"{k} {_size(comm[k])} ({comm['calls'].get(k, 0)} calls)" for k in kinds)
 
 
 def _row_key(u: UnitRow) -> tuple:

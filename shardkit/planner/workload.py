@@ -22,6 +22,7 @@ from .models import check_sequence_fits
 from .rehearsal import Rehearsal, StepSetup, rehearse
 from .replay import Timeline
 from .result import Plan
+from .tensor_parallel import TensorParallel, data_parallel_shape
 
 # shard()'s options a plan passes through unchanged to the rehearsal.
 SHARD_OPTIONS = ("auto_wrap_policy", "mixed_precision", "prefetch", "hybrid_group_size",
@@ -41,12 +42,13 @@ class Workload:
 
     def __init__(self, model: nn.Module, seq: int | None, inputs: InputsFn | None,
                  options: dict[str, Any], optimizer: str, target: Target,
-                 threads_per_rank: int = 1) -> None:
+                 threads_per_rank: int = 1, tensor_parallel: TensorParallel | None = None) -> None:
         if getattr(model, "config", None) is not None:  # a transformers model: its positions
             check_sequence_fits(model.config, model, seq)
         self.model, self.seq, self.inputs = model, seq, inputs
         self.options = {k: options[k] for k in SHARD_OPTIONS if options.get(k) is not None}
         self.optimizer, self.target, self.threads = optimizer, target, threads_per_rank
+        self.tensor_parallel = tensor_parallel
         units = plan_units(model, as_policy(self.options.get("auto_wrap_policy")))
         # checkpoint_layers gets every unit's class below the root, as a user would pass.
         self.layer_classes = tuple(dict.fromkeys(type(u.module) for u in units[:-1]))
@@ -57,10 +59,14 @@ class Workload:
         """The configuration's step rehearsed at `batch` (on first use)."""
         key = (world_size, strategy, bool(cpu_offload), bool(activation_checkpointing), batch)
         if key not in self._rehearsals:
+            tp = self.tensor_parallel
+            dp_shape = () if tp is None else data_parallel_shape(
+                strategy, world_size // tp.size, self.options.get("hybrid_group_size"))
             setup = StepSetup(
                 world_size, {**self.options, "strategy": strategy, "cpu_offload": cpu_offload},
                 self.optimizer, self.target.capabilities, self.target.device_type,
-                self.layer_classes if activation_checkpointing else (), self.threads)
+                self.layer_classes if activation_checkpointing else (), self.threads, tp,
+                dp_shape)
             self._rehearsals[key] = rehearse(self.model, setup, batch,
                                              1 if self.seq is None else self.seq, self.inputs)
         return self._rehearsals[key]
