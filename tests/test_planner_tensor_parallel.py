@@ -53,14 +53,16 @@ def test_each_rank_keeps_its_tp_part_sharded_over_data_parallel():
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("name", ["titan", "hf"])
-def test_planned_bytes_and_peak_hold_against_a_measured_tp2_x_dp2_step(name):
+@pytest.mark.parametrize("name, ac", [("titan", False), ("hf", False),
+                                      ("titan", True)])  # shardkit.wrap.checkpoint_layers
+def test_planned_bytes_and_peak_hold_against_a_measured_tp2_x_dp2_step(name, ac):
     batch, seq = 2, 64
-    measured = shardkit.spawn(tp_step, 4, 4, 2, name, batch, seq, False, threads_per_rank=1)
+    measured = shardkit.spawn(tp_step, 4, 4, 2, name, batch, seq, ac, threads_per_rank=1)
     model, block, apply_tp = _meta(name)
     plan = shardkit.plan(model, world_size=4, tp=2, tp_plan=apply_tp if name == "titan" else None,
                          auto_wrap_policy=transformer_layers({block}), optimizer="adamw",
-                         batch=batch, seq=seq, backend="cpu", threads_per_rank=1)
+                         batch=batch, seq=seq, activation_checkpointing=ac, backend="cpu",
+                         threads_per_rank=1)
     tp = plan.comm["tp"]
     for got in measured:
         print(f"{name}: planned peak {plan.peak_bytes}, measured {got['peak']}; TP {tp}, "
@@ -70,6 +72,9 @@ def test_planned_bytes_and_peak_hold_against_a_measured_tp2_x_dp2_step(name):
             assert tp[kind] == got["tp_bytes"][kind], kind  # the run's functional collectives
             assert tp["calls"].get(kind, 0) == got["tp_calls"][kind], kind  # CommDebugMode's
         assert plan.comm["calls"] == got["dp"]["calls"]
+        # gloo holds a reduce-scatter's copy of its input to the wait, which the fake groups
+        # never do: the plan adds the largest TP collective's input (without it, checkpointed
+        # TP was planned 2.2 % under this measurement).
         assert got["peak"] <= plan.peak_bytes <= 1.10 * got["peak"]
     if name == "hf":
         # Megatron's pattern, by formula: an all-reduce of the (batch, seq, hidden) activations
@@ -127,8 +132,6 @@ def test_what_cannot_be_planned_with_tp_is_refused_with_what_to_do(monkeypatch):
             strategy="HYBRID_SHARD", hybrid_group_size=2, fault_tolerant=True)
     refused("tp=4 does not divide the 2 ranks per node", world_size=8, nodes=4, tp=4,
             tp_plan=apply_tp)
-    refused("activation_checkpointing=True. is not planned yet", tp=2, tp_plan=apply_tp, batch=1,
-            seq=8, activation_checkpointing=True)
     refused("style 'packed_colwise' is not one the planner maps", hf, tp=2,
             tp_plan={"model.layers.*.mlp.up_proj": "packed_colwise"})
     refused("split no parameter of TinyLlama", tp=2, tp_plan={"no_such_module": "colwise"})

@@ -223,14 +223,6 @@ def plan(model: nn.Module, world_size: int, strategy: ShardingStrategy | str = "
                                 "(the per-rank batch size to simulate)")
         return result
     batch = _positive_int("batch", batch)
-    if tensor_parallel is not None and activation_checkpointing:
-        # Measured on torchtitan's tiny Llama at TP 2 x DP 2: the rehearsed peak 2.2 % under the
-        # allocator's (one residual-stream tensor, seq-independent), cause not yet found; a
-        # plan must not say "fits" where it may not.
-        raise ShardkitError(
-            "plan(tp=..., activation_checkpointing=True) is not planned yet: its rehearsed peak "
-            "was measured below a real run's. HINT: plan without activation checkpointing (the "
-            "peak then errs high), or without tp=")
     options = dict(auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
                    prefetch=prefetch, hybrid_group_size=group if replicas > 1 else None,
                    reshard_after_forward=reshard_after_forward, quantize=quantize)

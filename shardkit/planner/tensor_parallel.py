@@ -192,6 +192,7 @@ class TensorParallelTraffic(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.stats = CommStats()
+        self.largest_input = 0  # bytes: the largest tensor (list) one collective took
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -215,6 +216,8 @@ class TensorParallelTraffic(TorchDispatchMode):
 
         tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if op not in _NOT_SENDING:
+            self.largest_input = max(self.largest_input, nbytes)
         if op in _GATHERS:  # (input, group_size, group_name): each rank's input is its shard
             self.stats.all_gather(nbytes, int(args[1]))
         elif op in _REDUCE_SCATTERS:  # (input, op, group_size, group_name): output = input / n
