@@ -27,14 +27,32 @@ SHAPES = {  # Llama-2's published configurations
 }
 
 
-def main() -> None:
-    """Print the table's rows."""
+def meta_llama(size: str) -> torch.nn.Module:
+    """Llama-2 of that size ("7b", ...) as transformers builds it, on the meta device."""
     import transformers
+
+    config = transformers.LlamaConfig(vocab_size=32000, **SHAPES[size])
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def planned_as_trained() -> dict:
+    """The plan options these tables share: decoder layers as units, AdamW, bf16 compute with
+    fp32 reduction, the cuda backend's kernels and margins."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import shardkit
-    from shardkit.planner import largest_batch, smallest_world_size
     from shardkit.wrap import transformer_layers
+
+    return dict(auto_wrap_policy=transformer_layers({LlamaDecoderLayer}), optimizer="adamw",
+                mixed_precision=shardkit.MixedPrecision(param_dtype=torch.bfloat16,
+                                                        reduce_dtype=torch.float32),
+                backend="cuda")
+
+
+def main() -> None:
+    """Print the table's rows."""
+    from shardkit.planner import largest_batch, smallest_world_size
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="7b,13b,70b")
@@ -42,17 +60,12 @@ def main() -> None:
     parser.add_argument("--headroom", type=float, default=0.0)
     args = parser.parse_args()
     budget, seq = 80 << 30, 4096
-    options = dict(auto_wrap_policy=transformer_layers({LlamaDecoderLayer}), optimizer="adamw",
-                   mixed_precision=shardkit.MixedPrecision(param_dtype=torch.bfloat16,
-                                                           reduce_dtype=torch.float32),
-                   backend="cuda", headroom=args.headroom)
+    options = dict(planned_as_trained(), headroom=args.headroom)
     print("| model | ranks | FULL_SHARD | + --ac | + --ac --cpu-offload | SHARD_GRAD_OP --ac | "
           "NO_SHARD | fewest ranks for batch 1 with --ac | seconds |")
     print("|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes.split(","):
-        config = transformers.LlamaConfig(vocab_size=32000, **SHAPES[size])
-        with torch.device("meta"):
-            model = transformers.LlamaForCausalLM(config)
+        model = meta_llama(size)
         for ranks in (int(r) for r in args.ranks.split(",")):
             start = time.perf_counter()
             cells = []

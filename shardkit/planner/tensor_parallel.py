@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from typing_extensions import override
 
 from ..errors import ShardkitError
 from ..sharding.step.traffic import CommStats
@@ -194,6 +195,7 @@ class TensorParallelTraffic(TorchDispatchMode):
         self.stats = CommStats()
         self.largest_input = 0  # bytes: the largest tensor (list) one collective took
 
+    @override
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         """Run the op; note it where it is a collective of torch's functional c10d."""
