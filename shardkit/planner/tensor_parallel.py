@@ -34,12 +34,8 @@ from .activations import on_dtensors
 
 TPPlan = Callable[[nn.Module, Any], Any] | Mapping[str, Any]
 
-# transformers' names for its tensor-parallel styles (a model's `tp_plan`), as torch's styles.
-_HF_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise",
-              "rowwise_split_input", "sequence_parallel")
-
-
 def _hf_style(name: str) -> Any:
+    """transformers' name for a tensor-parallel style (a model's `tp_plan`), as torch's style."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -55,7 +51,7 @@ def _hf_style(name: str) -> Any:
     if name not in styles:
         raise ShardkitError(
             f"tensor-parallel style {name!r} is not one the planner maps to torch's styles "
-            f"({', '.join(_HF_STYLES)}). HINT: pass tp_plan=fn(model, tp_mesh) that calls "
+            f"({', '.join(styles)}). HINT: pass tp_plan=fn(model, tp_mesh) that calls "
             "parallelize_module as your training script does (`--tp-plan MODULE:FUNCTION`)")
     return styles[name]()
 
