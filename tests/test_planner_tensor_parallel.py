@@ -155,7 +155,8 @@ def test_shardkit_plan_tp_plans_a_factory_with_its_tp_function_and_says_both_dim
                                                    for a in ("--set", f"{k}={v}")],
                  "--world-size", "4", "--tp", "2"]) == 0
     text = capsys.readouterr().out
-    assert "= tensor parallel 2 x data parallel 2, TP plan the model's own tp_plan" in text
+    assert ("= tensor parallel 2 x data parallel 2 (shard group 2, replicas 1); TP plan: the "
+            "model's own tp_plan") in text
     assert main(["plan", "_tp_model:TinyLlama", "--world-size", "4", "--tp", "2",
                  "--device-memory", "80GiB"]) == 1
     assert "--tp plans one layout" in capsys.readouterr().err

@@ -111,10 +111,11 @@ class Plan:
         """A readable text table: one line per unit, then per-rank totals."""
         layout = "" if self.tensor_parallel == 1 else (
             f" = tensor parallel {self.tensor_parallel} x data parallel "
-            f"{self.world_size // self.tensor_parallel}, TP plan {self.tp_plan};")
+            f"{self.world_size // self.tensor_parallel}")
+        tp_plan = f"; TP plan: {self.tp_plan}" if self.tensor_parallel > 1 else ""
         head = (f"shardkit plan: {self.param_count:,} params ({self.trainable_count:,} trainable), "
                 f"{self.strategy} on {self.world_size} rank(s){layout} (shard group "
-                f"{self.shard_group_size}, replicas {self.replica_group_size})\n"
+                f"{self.shard_group_size}, replicas {self.replica_group_size}){tp_plan}\n"
                 f"compute {self.param_dtype or 'as stored'}, reduce "
                 f"{self.reduce_dtype or 'as stored'}, optimizer {self.optimizer}"
                 f"{', cpu_offload' if self.cpu_offload else ''}, prefetch {self.prefetch}"
