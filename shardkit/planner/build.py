@@ -25,6 +25,7 @@ from ..errors import ShardkitError
 from ..sharding.api import check_quantization_support
 from ..sharding.step.buckets import collective_buckets
 from ..sharding.step.traffic import CommStats
+from ..sharding.step.whole_view import local_of
 from ..sharding.setup.groups import shard_group_size
 from ..sharding.step.layout import shard_layout
 from ..sharding.setup.plan import ParamPlan, UnitPlan, plan_units
@@ -39,7 +40,7 @@ from .replay import Timeline
 from .optimizers import state_tensors
 from .recovery import with_recovery
 from .result import Plan, UnitRow
-from .tensor_parallel import (TPPlan, TensorParallel, data_parallel_shape, fake_world, local_part,
+from .tensor_parallel import (TPPlan, TensorParallel, data_parallel_shape, fake_world,
                               parallelized, resolve as resolve_tensor_parallel)
 from .workload import Target, Workload, with_step
 
@@ -103,9 +104,9 @@ class _Layout:
 
     def __init__(self, plan: ParamPlan, group: int, alignment: int, config: ShardConfig) -> None:
         self.whole = plan.param.numel()
-        param = local_part(plan.param)
+        param = local_of(plan.param)
         self.numel = param.numel()
-        self.trainable = param.requires_grad
+        self.trainable = plan.param.requires_grad  # (a DTensor's local tensor does not say)
         self.master_bytes = param.dtype.itemsize
         self.compute_dtype = config.compute_dtype(param.dtype)
         self.reduce_dtype = config.reduce_dtype(param.dtype)

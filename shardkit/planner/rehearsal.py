@@ -41,8 +41,8 @@ from ..logs import logger
 from .activations import (FusedAttention, InputsFn, LiveBytes, model_loss, token_inputs,
                           traceable_on_meta, with_fused_attention)
 from .replay import StepRecord
-from .tensor_parallel import (TensorParallel, TensorParallelTraffic, data_parallel_mesh, fake_world,
-                              parallelized)
+from .tensor_parallel import (TensorParallel, TensorParallelTraffic, data_parallel_mesh,
+                              data_parallel_shape, fake_world, parallelized)
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adadelta": torch.optim.Adadelta,
@@ -249,7 +249,6 @@ class StepSetup:
     checkpoint_classes: tuple[type, ...]  # activation checkpointing on these layers, or ()
     threads: int = 1  # intra-op threads per rank (kernel workspaces per thread)
     tensor_parallel: TensorParallel | None = None  # TP inside, on a fake mesh (tensor_parallel.py)
-    dp_shape: tuple[int, ...] = ()  # the data-parallel mesh's shape beside TP: (ranks,) or (replicas, group)
 
 
 def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
@@ -260,7 +259,10 @@ def rehearse(model: nn.Module, setup: StepSetup, batch: int, seq: int,
         with torch.device("meta"):
             twin = copy.deepcopy(model).to("meta")  # hooks, casts and checkpointing stay off `model`
         return _rehearse(model, twin, setup, batch, seq, inputs)
-    with fake_world(setup.world_size, setup.dp_shape, tp.size) as mesh:
+    options = setup.shard_kwargs
+    dp_shape = data_parallel_shape(options["strategy"], setup.world_size // tp.size,
+                                   options.get("hybrid_group_size"))
+    with fake_world(setup.world_size, dp_shape, tp.size) as mesh:
         twin = parallelized(model, tp, mesh)
         setup = dataclasses.replace(setup, shard_kwargs={**setup.shard_kwargs,
                                                          "mesh": data_parallel_mesh(mesh)})

@@ -170,11 +170,6 @@ def parallelized(model: nn.Module, tensor_parallel: TensorParallel, mesh: Any) -
     return twin
 
 
-def local_part(param: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of a parameter: TP's local part of a DTensor, else all of it."""
-    return param.to_local() if hasattr(param, "to_local") else param
-
-
 _GATHERS = ("all_gather_into_tensor", "all_gather_into_tensor_out",
             "all_gather_into_tensor_coalesced")
 _REDUCE_SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced")

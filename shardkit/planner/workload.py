@@ -22,7 +22,7 @@ from .models import check_sequence_fits
 from .rehearsal import Rehearsal, StepSetup, rehearse
 from .replay import Timeline
 from .result import Plan
-from .tensor_parallel import TensorParallel, data_parallel_shape
+from .tensor_parallel import TensorParallel
 
 # shard()'s options a plan passes through unchanged to the rehearsal.
 SHARD_OPTIONS = ("auto_wrap_policy", "mixed_precision", "prefetch", "hybrid_group_size",
@@ -59,14 +59,11 @@ class Workload:
         """The configuration's step rehearsed at `batch` (on first use)."""
         key = (world_size, strategy, bool(cpu_offload), bool(activation_checkpointing), batch)
         if key not in self._rehearsals:
-            tp = self.tensor_parallel
-            dp_shape = () if tp is None else data_parallel_shape(
-                strategy, world_size // tp.size, self.options.get("hybrid_group_size"))
             setup = StepSetup(
                 world_size, {**self.options, "strategy": strategy, "cpu_offload": cpu_offload},
                 self.optimizer, self.target.capabilities, self.target.device_type,
-                self.layer_classes if activation_checkpointing else (), self.threads, tp,
-                dp_shape)
+                self.layer_classes if activation_checkpointing else (), self.threads,
+                self.tensor_parallel)
             self._rehearsals[key] = rehearse(self.model, setup, batch,
                                              1 if self.seq is None else self.seq, self.inputs)
         return self._rehearsals[key]

@@ -260,10 +260,11 @@ def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixe
     config = _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
                      param_init_fn, be, quantize)
     units = plan_units(model, as_policy(auto_wrap_policy))
-    n_shard = shard_group_size(config.strategy, hybrid_group_size, ctx.env.local_world_size,
-                               ctx.world.size)
     if mesh is not None and config.strategy is not ShardingStrategy.NO_SHARD:
         n_shard = int(mesh.shape[-1])  # the mesh's shard dimension: beside TP, less than the world
+    else:
+        n_shard = shard_group_size(config.strategy, hybrid_group_size, ctx.env.local_world_size,
+                                   ctx.world.size)
     reshard = resolve(reshard_after_forward, units, config, n_shard)
     sync = _sync_module_states(sync_module_states, be)
     if tp_meshes:
