@@ -1,16 +1,22 @@
 """The device + collective interface: the only thing the engine ever talks to.
 
-A plugin subclasses `Backend` and fills in the seven required members; everything else has a
-default built on stock torch (`torch.distributed`, `torch.get_device_module`, `torch.Stream`).
-Defaults never name a vendor: a backend that needs something special overrides one method.
-The optional members stand in groups by who calls them, each group headed by what happens when
-a plugin leaves it out: class facts (read off the class without starting it: selection,
-`shardkit info`, the planner), joining the job (shardkit.job: init, spawn, `shardkit launch`),
-device operations (the engine every step), collectives (the engine, checkpoints, replica checks),
-host copies and memory figures (checkpoints, the demo), torch's own wrappers (replicate / DDP).
-The job's rendezvous is not the backend's: init() joins the job's store (job/rendezvous.py) and
-hands it over in LaunchEnv.store. Ranks per machine come from max_local_ranks(): one per device
-by default, None (unlimited) where ranks share a host.
+A backend is made of two sides, each its own type: `DeviceSide` (placement, streams, events,
+memory, host copies, launching ranks) and `CollectiveSide` (process groups, reduce ops, the
+collectives). A vendor's plugin is one class, `Backend`, which is both sides at once; the engine
+always reaches a side through `backend.devices` or `backend.collectives` (a lint test holds it to
+that), so a pair of two vendors' sides (``backend="cuda+gloo"``, shardkit/composed.py) is just a
+backend whose two attributes are two objects, with nothing forwarded, and the planner's rehearsal
+swaps in a side of its own the same way.
+
+A plugin subclasses `Backend` and fills in the seven required members (name, device_type,
+is_available, requirement_hint; local_device and device_count of the device side;
+process_group_backend of the collective side); everything else has a default built on stock
+torch (`torch.distributed`, `torch.get_device_module`, `torch.Stream`). Defaults never name a
+vendor: a backend that needs something special overrides one method. Within each side the
+optional members stand in groups by who calls them, each group headed by what happens when a
+plugin leaves it out. The job's rendezvous is not the backend's: init() joins the job's store
+(job/rendezvous.py) and hands it over in LaunchEnv.store. Ranks per machine come from
+max_local_ranks(): one per device by default, None (unlimited) where ranks share a host.
 """
 
 from __future__ import annotations
@@ -34,23 +40,15 @@ API_VERSION = 1
 DeviceLike = torch.device | str | int | None
 
 
-class Backend:
-    """Base class of every backend. Subclasses set the class attributes and required methods."""
+class DeviceSide:
+    """The device half of a backend: where tensors live, streams, events, memory, host copies, launching ranks."""
+
+    # The class facts a side reads (Backend sets them; see there).
+    name: ClassVar[str]
+    device_type: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
 
     # ==== required: what every plugin writes
-    name: ClassVar[str]  # what users pass as backend=..., e.g. "cpu"
-    device_type: ClassVar[str]  # torch device type, e.g. "cpu"
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """Return True when this backend can run here. Must never raise or touch a device."""
-        raise NotImplementedError
-
-    @classmethod
-    def requirement_hint(cls) -> str:
-        """Return what a user should do to make this backend available (the pip extra)."""
-        raise NotImplementedError
-
     def local_device(self, local_rank: int) -> torch.device:
         """Return the fully indexed device this local rank computes on."""
         raise NotImplementedError
@@ -59,50 +57,12 @@ class Backend:
         """Return how many devices of this type this process can see."""
         raise NotImplementedError
 
-    def process_group_backend(self) -> str:
-        """Return the torch.distributed backend string, e.g. "gloo"."""
-        raise NotImplementedError
-
-    # ==== class facts: read off the class, never started (selection, `shardkit info`, planner)
-    # Left out: the defaults below; the planner plans with the default Capabilities.
-    priority: ClassVar[int] = 0  # auto-detection order: higher wins among available backends
-    auto_select: ClassVar[bool] = True  # False: only chosen by name (or when auto_select_now())
-    requires_api: ClassVar[int] = API_VERSION
-    capabilities: ClassVar[Capabilities] = Capabilities()
-    # Names of the collective library this backend's collective side is, for pairing it with
-    # another backend's device as "DEVICE+LIBRARY" (shardkit/composed.py), e.g. ("gloo",).
-    collective_libraries: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def unavailable_reason(cls) -> str:
-        """Return why is_available() is False, in words a user can act on."""
-        return "is_available() returned False"
-
-    @classmethod
-    def auto_select_now(cls) -> bool:
-        """Return True when auto-detection may pick this backend in the current environment."""
-        return cls.auto_select
-
-    @classmethod
-    def versions(cls) -> dict[str, str]:
-        """Return the versions of the vendor packages this backend relies on."""
-        return {}
-
-    @override
-    def __repr__(self) -> str:
-        return f"<shardkit backend {self.name!r} device_type={self.device_type!r}>"
-
     # ==== joining the job: runtime.init(), spawn, `shardkit launch`
-    # Left out: torchrun-style environment variables, one rank per device, the device made
-    # current through torch.get_device_module, a torch.distributed default group on the job's
-    # store, torchrun as the launcher.
+    # Left out: torchrun-style environment variables, the device made current through
+    # torch.get_device_module, torchrun as the launcher.
     def launch_env(self) -> LaunchEnv:
         """Return this process's place in the job (backends whose ranks are threads override)."""
         return detect_launch_env()
-
-    def max_local_ranks(self) -> int | None:
-        """Return how many ranks one machine can run: one per device by default; None for as many as asked."""
-        return self.device_count()
 
     def normalize_device(self, device_id: DeviceLike, local_rank: int) -> torch.device:
         """Turn None, an int, "type", "type:i" or a torch.device into this backend's indexed device."""
@@ -138,47 +98,6 @@ class Backend:
         module = self.device_module()
         if device.index is not None and hasattr(module, "set_device"):
             module.set_device(device)
-
-    def process_group_options(self, env: LaunchEnv) -> dict[str, Any]:
-        """Extra keyword arguments for init_process_group: the one place a device_id policy lives."""
-        return {}
-
-    def init_process_group(self, env: LaunchEnv, timeout: datetime.timedelta) -> Group:
-        """Join (or create) the default process group for this job and return the world group."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            return self.world_group()
-        options = dict(backend=self.process_group_backend(), rank=env.rank,
-                       world_size=env.world_size, timeout=timeout,
-                       **self.process_group_options(env))
-        if env.master_port is None:
-            # A lone process: an in-memory store, so no port is opened and nothing can collide.
-            dist.init_process_group(store=dist.HashStore(), **options)
-        else:
-            if env.store is None:
-                raise ShardkitError(
-                    f"rank {env.rank} of {env.world_size} has no job store to make its process "
-                    "group with: shardkit.init() joins it (rendezvous.with_job_store) before "
-                    "calling init_process_group. HINT: call shardkit.init(), or pass "
-                    "dataclasses.replace(env, store=...) when calling a backend directly")
-            # The prefix is the one torch gives its default group's keys on the env:// path.
-            dist.init_process_group(store=dist.PrefixStore("default_pg", env.store), **options)
-        return self.world_group()
-
-    def world_group(self) -> Group:
-        """Return the group of all ranks in the job."""
-        import torch.distributed as dist
-
-        size = dist.get_world_size()
-        return Group(dist.get_rank(), size, tuple(range(size)), dist.group.WORLD)
-
-    def shutdown(self) -> None:
-        """Destroy the process group this backend created."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     def spawn_ranks(self, body: Any, nprocs: int, args: tuple) -> list[Any] | None:
         """Run ``body(rank, *args)`` on `nprocs` local ranks the backend's own way, or return None for processes."""
@@ -280,6 +199,106 @@ class Backend:
 
     def step_boundary(self) -> None:
         """Mark the end of a training step after optimizer.step() (graph cut on lazy devices)."""
+
+    # ==== host copies and memory figures: checkpoints, the demo, users timing phases
+    # Left out: detach().cpu() copies (pinned, one sync, where the device has streams) and the
+    # device module's memory counters, else the process's resident memory.
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of `tensors` in host memory (lazy devices run all of them as one graph first)."""
+        return [t.detach().cpu() for t in tensors]
+
+    def snapshot_to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of `tensors` that later in-place updates on the device leave unchanged."""
+        if self.capabilities.has_streams and any(t.device.type != "cpu" for t in tensors):
+            # Pinned staging: the device-to-host copies queue together and one sync waits for all.
+            staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for dst, src in zip(staged, tensors):
+                dst.copy_(src.detach(), non_blocking=True)
+            self.synchronize(next(t.device for t in tensors if t.device.type != "cpu"))
+            return staged
+        hosted = self.to_host(tensors)
+        # On the host, to_host may hand back the tensor itself; the optimizer would then change it.
+        # (Device tensors may have no storage to ask about: XLA's; their host copy is new anyway.)
+        return [h.clone() if t.device.type == "cpu"
+                and h.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                else h for h, t in zip(hosted, tensors)]
+
+    def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
+        """Return current and peak memory in bytes: {"allocated": .., "peak": ..} (the demo's memory report)."""
+        module = self.device_module()
+        if hasattr(module, "max_memory_allocated"):
+            return {"allocated": int(module.memory_allocated(device)),
+                    "peak": int(module.max_memory_allocated(device))}
+        return process_memory()
+
+    def reset_peak_memory(self, device: torch.device | None = None) -> None:
+        """Start a new peak-memory window where the device allows it (for users timing phases; the engine never calls it)."""
+        module = self.device_module()
+        if hasattr(module, "reset_peak_memory_stats"):
+            module.reset_peak_memory_stats(device)
+
+    # ==== torch's own wrappers: replicate() and DDP
+    # Left out: DDP gets no extra keyword arguments.
+    def ddp_kwargs(self, device: torch.device) -> dict[str, Any]:
+        """Keyword arguments DistributedDataParallel needs on this backend."""
+        return {}
+
+
+class CollectiveSide:
+    """The collective half of a backend: process groups, reduce ops and the collectives on them."""
+
+    # The class facts a side reads (Backend sets them; see there).
+    name: ClassVar[str]
+    device_type: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    # ==== required: what every plugin writes
+    def process_group_backend(self) -> str:
+        """Return the torch.distributed backend string, e.g. "gloo"."""
+        raise NotImplementedError
+
+    # ==== joining the job: runtime.init() and shutdown
+    # Left out: a torch.distributed default group on the job's store.
+    def process_group_options(self, env: LaunchEnv) -> dict[str, Any]:
+        """Extra keyword arguments for init_process_group: the one place a device_id policy lives."""
+        return {}
+
+    def init_process_group(self, env: LaunchEnv, timeout: datetime.timedelta) -> Group:
+        """Join (or create) the default process group for this job and return the world group."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return self.world_group()
+        options = dict(backend=self.process_group_backend(), rank=env.rank,
+                       world_size=env.world_size, timeout=timeout,
+                       **self.process_group_options(env))
+        if env.master_port is None:
+            # A lone process: an in-memory store, so no port is opened and nothing can collide.
+            dist.init_process_group(store=dist.HashStore(), **options)
+        else:
+            if env.store is None:
+                raise ShardkitError(
+                    f"rank {env.rank} of {env.world_size} has no job store to make its process "
+                    "group with: shardkit.init() joins it (rendezvous.with_job_store) before "
+                    "calling init_process_group. HINT: call shardkit.init(), or pass "
+                    "dataclasses.replace(env, store=...) when calling a backend directly")
+            # The prefix is the one torch gives its default group's keys on the env:// path.
+            dist.init_process_group(store=dist.PrefixStore("default_pg", env.store), **options)
+        return self.world_group()
+
+    def world_group(self) -> Group:
+        """Return the group of all ranks in the job."""
+        import torch.distributed as dist
+
+        size = dist.get_world_size()
+        return Group(dist.get_rank(), size, tuple(range(size)), dist.group.WORLD)
+
+    def shutdown(self) -> None:
+        """Destroy the process group this backend created."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     # ==== collectives: the engine, checkpoints, replica checks
     # Left out: torch.distributed's collectives on the groups this backend made (a one-rank group
@@ -409,48 +428,75 @@ class Backend:
             "be made fault tolerant; HINT: run on a backend that does (the built-in cpu, cuda "
             "and xpu backends do), or override fault_tolerant_process_group() in the backend plugin")
 
-    # ==== host copies and memory figures: checkpoints, the demo, users timing phases
-    # Left out: detach().cpu() copies (pinned, one sync, where the device has streams) and the
-    # device module's memory counters, else the process's resident memory.
-    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of `tensors` in host memory (lazy devices run all of them as one graph first)."""
-        return [t.detach().cpu() for t in tensors]
 
-    def snapshot_to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Host copies of `tensors` that later in-place updates on the device leave unchanged."""
-        if self.capabilities.has_streams and any(t.device.type != "cpu" for t in tensors):
-            # Pinned staging: the device-to-host copies queue together and one sync waits for all.
-            staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for dst, src in zip(staged, tensors):
-                dst.copy_(src.detach(), non_blocking=True)
-            self.synchronize(next(t.device for t in tensors if t.device.type != "cpu"))
-            return staged
-        hosted = self.to_host(tensors)
-        # On the host, to_host may hand back the tensor itself; the optimizer would then change it.
-        # (Device tensors may have no storage to ask about: XLA's; their host copy is new anyway.)
-        return [h.clone() if t.device.type == "cpu"
-                and h.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                else h for h, t in zip(hosted, tensors)]
+class Backend(DeviceSide, CollectiveSide):
+    """Base class of every backend: its class facts, and both sides in one object (`devices` and `collectives` are itself)."""
 
-    def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
-        """Return current and peak memory in bytes: {"allocated": .., "peak": ..} (the demo's memory report)."""
-        module = self.device_module()
-        if hasattr(module, "max_memory_allocated"):
-            return {"allocated": int(module.memory_allocated(device)),
-                    "peak": int(module.max_memory_allocated(device))}
-        return process_memory()
+    # ==== required: what every plugin writes (and local_device, device_count, process_group_backend)
+    name: ClassVar[str]  # what users pass as backend=..., e.g. "cpu"
+    device_type: ClassVar[str]  # torch device type, e.g. "cpu"
 
-    def reset_peak_memory(self, device: torch.device | None = None) -> None:
-        """Start a new peak-memory window where the device allows it (for users timing phases; the engine never calls it)."""
-        module = self.device_module()
-        if hasattr(module, "reset_peak_memory_stats"):
-            module.reset_peak_memory_stats(device)
+    @classmethod
+    def is_available(cls) -> bool:
+        """Return True when this backend can run here. Must never raise or touch a device."""
+        raise NotImplementedError
 
-    # ==== torch's own wrappers: replicate() and DDP
-    # Left out: DDP gets no extra keyword arguments.
-    def ddp_kwargs(self, device: torch.device) -> dict[str, Any]:
-        """Keyword arguments DistributedDataParallel needs on this backend."""
+    @classmethod
+    def requirement_hint(cls) -> str:
+        """Return what a user should do to make this backend available (the pip extra)."""
+        raise NotImplementedError
+
+    # ==== class facts: read off the class, never started (selection, `shardkit info`, planner)
+    # Left out: the defaults below; the planner plans with the default Capabilities.
+    priority: ClassVar[int] = 0  # auto-detection order: higher wins among available backends
+    auto_select: ClassVar[bool] = True  # False: only chosen by name (or when auto_select_now())
+    requires_api: ClassVar[int] = API_VERSION
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    # Names of the collective library this backend's collective side is, for pairing it with
+    # another backend's device as "DEVICE+LIBRARY" (shardkit/composed.py), e.g. ("gloo",).
+    collective_libraries: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """Return why is_available() is False, in words a user can act on."""
+        return "is_available() returned False"
+
+    @classmethod
+    def auto_select_now(cls) -> bool:
+        """Return True when auto-detection may pick this backend in the current environment."""
+        return cls.auto_select
+
+    @classmethod
+    def versions(cls) -> dict[str, str]:
+        """Return the versions of the vendor packages this backend relies on."""
         return {}
+
+    @override
+    def __repr__(self) -> str:
+        return f"<shardkit backend {self.name!r} device_type={self.device_type!r}>"
+
+    # ==== the two sides, as the engine reaches them
+    @property
+    def devices(self) -> DeviceSide:
+        """The side that places tensors and runs the device (this backend itself; a pair's device backend)."""
+        return self
+
+    @property
+    def collectives(self) -> CollectiveSide:
+        """The side that makes groups and runs collectives (this backend itself; a pair's collective backend)."""
+        return self
+
+    # Left out: one rank per device.
+    def max_local_ranks(self) -> int | None:
+        """Return how many ranks one machine can run: one per device by default; None for as many as asked."""
+        return self.device_count()
+
+
+
+def side_members(side: type[DeviceSide] | type[CollectiveSide]) -> tuple[str, ...]:
+    """The public methods a side declares: what the engine may call through `backend.devices` or `backend.collectives`."""
+    return tuple(name for name, value in vars(side).items()
+                 if callable(value) and not name.startswith("_"))
 
 
 def process_memory() -> dict[str, int]:
@@ -483,7 +529,7 @@ def check_equal_split(op: str, output: torch.Tensor, input: torch.Tensor, group:
                             f"{input.numel()}")
 
 
-def check_reduce_op(backend: Backend, op: str, factor: float | None) -> None:
+def check_reduce_op(backend: CollectiveSide, op: str, factor: float | None) -> None:
     """Raise UnsupportedOperationError unless `backend` accepts `op`, with a factor exactly for "premul_sum"."""
     caps = backend.capabilities
     accepted = caps.reduce_ops | caps.exact_reduce_ops

@@ -8,9 +8,12 @@ backend, a vendor's device with another library. ``"DEVICE+COLLECTIVES"`` names 
 DEVICE is a registered backend, COLLECTIVES a registered backend or the collective library one
 declares in ``Backend.collective_libraries`` (``gloo`` is the cpu backend's).
 
-Every member of `Backend` belongs to exactly one side (DEVICE_SIDE, COLLECTIVE_SIDE below; a
-test holds the two lists to the class), and the capabilities split the same way
-(`composed_capabilities`): what collectives accept, average exactly, pad shards to and whether
+A backend is made of its two sides (backend.py: `DeviceSide`, `CollectiveSide`) and the engine
+reaches each through `backend.devices` / `backend.collectives`, so a pair is a backend whose
+`devices` is one backend and whose `collectives` is another: the engine forwards nothing. (A
+user's script that calls a side member on the pair itself, `ctx.backend.all_reduce(...)`, is
+answered by that side.) The capabilities split
+the same way (`composed_capabilities`): what collectives accept, average exactly, pad shards to and whether
 they run on a torch process group come from the collective side; everything about memory,
 streams and compilation from the device side. Whether several ranks may share one device is the
 collective library's call: the cpu backend's (gloo) allows any number, so ``cuda+gloo`` runs as
@@ -24,28 +27,10 @@ from typing import Any, Callable, ClassVar
 
 from typing_extensions import override
 
-from .backend import Backend
+from .backend import Backend, CollectiveSide, DeviceSide, side_members
 from .capabilities import Capabilities
-from .errors import ShardkitError, UnsupportedOperationError
+from .errors import ShardkitError
 
-# Members answered by the device side's backend object.
-DEVICE_SIDE = (
-    "device_module", "normalize_device", "indexed_device", "local_device", "device_count",
-    "set_device", "supports_dtype", "runs_fused_attention", "host_device", "new_stream", "current_stream",
-    "use_stream", "new_event", "record_stream", "synchronize", "free_storage", "alloc_storage",
-    "compiler_barrier", "step_boundary", "to_host", "snapshot_to_host", "memory_stats",
-    "reset_peak_memory", "launch_env", "ddp_kwargs", "spawn_ranks", "launch_command",
-)
-# Members answered by the collective side's backend object.
-COLLECTIVE_SIDE = (
-    "process_group_backend", "process_group_options", "init_process_group", "world_group",
-    "new_group", "destroy_group", "shutdown", "exact_reduce_ops_for", "torch_reduce_op",
-    "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast", "barrier",
-    "all_to_all_single", "fault_tolerant_process_group",
-)
-# Members the pair answers itself, from both sides.
-PAIR_OWN = ("is_available", "unavailable_reason", "requirement_hint", "versions", "auto_select_now",
-            "max_local_ranks")
 # Capabilities fields that describe the collective library; the rest describe the device.
 COLLECTIVE_FIELDS = ("async_collectives", "shard_alignment", "torch_process_group",
                      "collective_tensors_linger", "reduce_ops",
@@ -67,7 +52,7 @@ def composed_name(device_cls: type[Backend], collectives_cls: type[Backend]) -> 
 
 
 class ComposedBackend(Backend):
-    """A backend whose device members come from `device` and whose collective members come from `collectives`.
+    """A backend whose `devices` is one backend and whose `collectives` is another's.
 
     Each pair is its own class (`composed_class`), so its name and capabilities are class facts,
     as every backend's are: the planner and the conformance suite read them off the class.
@@ -77,13 +62,25 @@ class ComposedBackend(Backend):
     collectives_class: ClassVar[type[Backend]]
 
     def __init__(self, device: Backend | None = None, collectives: Backend | None = None) -> None:
-        self.device = device if device is not None else self.device_class()
-        self.collectives = collectives if collectives is not None else self.collectives_class()
+        self.device_backend = device if device is not None else self.device_class()
+        self.collective_backend = collectives if collectives is not None else self.collectives_class()
+
+    @property
+    @override
+    def devices(self) -> DeviceSide:
+        """The device backend (its device side)."""
+        return self.device_backend
+
+    @property
+    @override
+    def collectives(self) -> CollectiveSide:
+        """The collective backend (its collective side)."""
+        return self.collective_backend
 
     @override
     def __reduce__(self) -> tuple[Any, ...]:
         # The class is made at run time: a spawned rank rebuilds the pair from its two sides.
-        return (compose, (self.device, self.collectives))
+        return (compose, (self.device_backend, self.collective_backend))
 
     @override
     @classmethod
@@ -113,14 +110,14 @@ class ComposedBackend(Backend):
     @override
     def max_local_ranks(self) -> int | None:
         """Unlimited where the collective library lets ranks share a device (gloo); else one per device."""
-        if self.collectives.max_local_ranks() is None:
+        if self.collective_backend.max_local_ranks() is None:
             return None
-        return self.device.max_local_ranks()
+        return self.device_backend.max_local_ranks()
 
     @override
     def __repr__(self) -> str:
-        return (f"<shardkit backend {self.name!r}: {self.device.name!r} devices, "
-                f"{self.collectives.name!r} collectives>")
+        return (f"<shardkit backend {self.name!r}: {self.device_backend.name!r} devices, "
+                f"{self.collective_backend.name!r} collectives>")
 
 
 def composed_class(device_cls: type[Backend], collectives_cls: type[Backend]) -> type[ComposedBackend]:
@@ -150,29 +147,19 @@ def compose(device: Backend, collectives: Backend) -> ComposedBackend:
     return composed_class(type(device), type(collectives))(device, collectives)
 
 
-def _forward(side: str, member: str) -> Callable[..., Any]:
-    def forwarded(self: ComposedBackend, *args: Any, **kwargs: Any) -> Any:
+def _answered_by(side: str, member: str) -> Callable[..., Any]:
+    def answered(self: ComposedBackend, *args: Any, **kwargs: Any) -> Any:
         return getattr(getattr(self, side), member)(*args, **kwargs)
 
-    forwarded.__name__ = forwarded.__qualname__ = member
-    forwarded.__doc__ = f"The {side} side's `{member}` (see Backend.{member})."
-    return forwarded
+    answered.__name__ = answered.__qualname__ = member
+    answered.__doc__ = f"`backend.{side}.{member}` (see {side.title().rstrip('s')}Side.{member})."
+    return answered
 
 
-def _forward_naming_the_pair(member: str) -> Callable[..., Any]:
-    def forwarded(self: ComposedBackend, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return getattr(self.collectives, member)(*args, **kwargs)
-        except UnsupportedOperationError as exc:  # it names the collective side; the user chose the pair
-            raise UnsupportedOperationError(f"{self.name}: {exc}") from None
-
-    forwarded.__name__ = forwarded.__qualname__ = member
-    forwarded.__doc__ = f"The collective side's `{member}` (see Backend.{member})."
-    return forwarded
-
-
-for _member in DEVICE_SIDE:
-    setattr(ComposedBackend, _member, _forward("device", _member))
-for _member in COLLECTIVE_SIDE:
-    setattr(ComposedBackend, _member, _forward_naming_the_pair(_member))
-del _member
+# The engine never calls these on a pair (tests/test_lint_backend_sides.py); a user's script written
+# against one backend (`ctx.backend.all_reduce(...)`) does, and gets the side's own member, not the
+# inherited default. Made from the side types, so a member added to a side is answered with no edit.
+for _side, _members in (("devices", side_members(DeviceSide)), ("collectives", side_members(CollectiveSide))):
+    for _member in _members:
+        setattr(ComposedBackend, _member, _answered_by(_side, _member))
+del _side, _members, _member

@@ -31,7 +31,7 @@ def global_mean(value: torch.Tensor | float) -> float:
                             f"{type(value).__name__}")
     ctx = require_context()
     # float64 where the device has it, so 1,024 ranks' sum keeps a float32 loss's digits
-    dtype = torch.float64 if ctx.backend.supports_dtype(torch.float64) else torch.float32
+    dtype = torch.float64 if ctx.backend.devices.supports_dtype(torch.float64) else torch.float32
     total = local.reshape(1).to(device=ctx.device, dtype=dtype)
-    ctx.backend.all_reduce(total, ctx.world)
+    ctx.backend.collectives.all_reduce(total, ctx.world)
     return float(total.item()) / ctx.world_size

@@ -33,7 +33,7 @@ def replicate(model: torch.nn.Module, backend: str | Backend | None = None,
 
     ctx = require_context(backend)
     model = model.to(ctx.device)
-    options = {**ctx.backend.ddp_kwargs(ctx.device), **ddp_kwargs}
+    options = {**ctx.backend.devices.ddp_kwargs(ctx.device), **ddp_kwargs}
     if "process_group" not in options and ctx.world.handle is not None:
         options["process_group"] = ctx.world.handle
     return DistributedDataParallel(model, **options)

@@ -13,8 +13,8 @@ import torch
 
 import shardkit
 from shardkit import Backend, Capabilities
-from shardkit.composed import (COLLECTIVE_FIELDS, COLLECTIVE_SIDE, DEVICE_SIDE, PAIR_OWN,
-                               ComposedBackend, composed_capabilities, composed_class)
+from shardkit.backend import CollectiveSide, DeviceSide, side_members
+from shardkit.composed import COLLECTIVE_FIELDS, ComposedBackend, composed_capabilities, composed_class
 from shardkit.errors import BackendNotFoundError, ShardkitError, UnsupportedOperationError
 from shardkit.job.selection import get_backend
 from shardkit.testing import run_world
@@ -23,11 +23,40 @@ from shardkit_backends.cpu import CPUBackend
 from _one_device_workers import one_device_suite
 
 
-def test_every_backend_member_belongs_to_exactly_one_side():
+def test_every_backend_member_belongs_to_one_side_or_to_the_backend_itself():
     public = {name for name, _ in inspect.getmembers(Backend, callable) if not name.startswith("_")}
-    sides = [set(DEVICE_SIDE), set(COLLECTIVE_SIDE), set(PAIR_OWN)]
-    assert sum(map(len, sides)) == len(set().union(*sides)), "a member is on two sides"
-    assert set().union(*sides) == public
+    devices, collectives = set(side_members(DeviceSide)), set(side_members(CollectiveSide))
+    assert not devices & collectives, "a member is on two sides"
+    own = {name for name, value in vars(Backend).items()
+           if (callable(value) or isinstance(value, classmethod)) and not name.startswith("_")}
+    assert devices | collectives | own == public
+    assert own == {"is_available", "requirement_hint", "unavailable_reason", "auto_select_now",
+                   "versions", "max_local_ranks"}  # class facts, and ranks per machine (the pair's call)
+
+
+def test_a_pair_is_its_two_sides_and_a_member_called_on_it_is_its_sides():
+    def marked(backend_name):
+        class Marked(CPUBackend):
+            name = backend_name
+
+            def new_stream(self, device):
+                return backend_name
+
+            def barrier(self, group):
+                return backend_name
+        return Marked
+
+    devices_cls, collectives_cls = marked("devices_test"), marked("collectives_test")
+    pair = composed_class(devices_cls, collectives_cls)()
+    assert pair.devices is pair.device_backend and pair.collectives is pair.collective_backend
+    assert pair.devices is not pair.collectives
+    # A user's script calling the pair itself gets each side's own override, not Backend's default.
+    assert pair.new_stream(torch.device("cpu")) == "devices_test"
+    assert pair.barrier(None) == "collectives_test"
+    devices, collectives = side_members(DeviceSide), side_members(CollectiveSide)
+    assert all(getattr(ComposedBackend, m).__doc__.startswith(f"`backend.devices.{m}`") for m in devices)
+    assert all(getattr(ComposedBackend, m).__doc__.startswith(f"`backend.collectives.{m}`")
+               for m in collectives)
 
 
 def test_capabilities_follow_the_collective_side_for_collective_fields():
@@ -75,7 +104,7 @@ def test_a_pair_is_named_by_its_library_and_resolved_once():
     assert isinstance(pair, ComposedBackend)
     assert pair.name == "cpu+gloo" and pair.device_type == "cpu"
     assert get_backend("cpu+cpu") is pair and get_backend(" cpu + gloo ") is pair
-    assert pair.device is get_backend("cpu") and pair.collectives is get_backend("cpu")
+    assert pair.devices is get_backend("cpu") and pair.collectives is get_backend("cpu")
     assert type(pair).capabilities == pair.capabilities  # a class fact, as the planner reads it
     again = pickle.loads(pickle.dumps(pair))
     assert again.name == "cpu+gloo" and type(again).capabilities == type(pair).capabilities
@@ -111,10 +140,10 @@ def test_collectives_outside_torch_process_groups_pair_only_with_their_device():
         composed_class(CPUBackend, Own)
 
 
-def test_an_unsupported_op_names_the_pair():
+def test_an_unsupported_op_names_the_library_that_refuses_it():
     pair = get_backend("cpu+gloo")
-    with pytest.raises(UnsupportedOperationError, match=r"^cpu\+gloo: backend 'cpu' does not support"):
-        pair.torch_reduce_op("avg")
+    with pytest.raises(UnsupportedOperationError, match=r"^backend 'cpu' does not support reduce op 'avg'"):
+        pair.collectives.torch_reduce_op("avg")
 
 
 def test_the_pair_passes_the_conformance_suite():

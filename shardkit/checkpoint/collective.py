@@ -21,7 +21,7 @@ def context() -> DistContext:
 def any_rank(ctx: DistContext, flag: bool) -> bool:
     """True on every rank when `flag` is True on at least one rank."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=ctx.device)
-    ctx.backend.all_reduce(t, ctx.world)
+    ctx.backend.collectives.all_reduce(t, ctx.world)
     return bool(t.item())
 
 
@@ -30,7 +30,7 @@ def flags_any(ctx: DistContext, flags: Sequence[bool]) -> list[bool]:
     if not flags:
         return []
     t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64, device=ctx.device)
-    ctx.backend.all_reduce(t, ctx.world)
+    ctx.backend.collectives.all_reduce(t, ctx.world)
     return [bool(v) for v in t.tolist()]
 
 
@@ -38,7 +38,7 @@ def shared_token(ctx: DistContext) -> int:
     """A random number chosen by rank 0 and known to every rank (names one save's temporary dir)."""
     t = torch.tensor([random.SystemRandom().getrandbits(48) if ctx.rank == 0 else 0],
                      dtype=torch.int64, device=ctx.device)
-    ctx.backend.broadcast(t, 0, ctx.world)
+    ctx.backend.collectives.broadcast(t, 0, ctx.world)
     return int(t.item())
 
 
@@ -47,7 +47,7 @@ def merge_digests(ctx: DistContext, digests: dict[int, str], count: int) -> list
     t = torch.zeros(max(count, 1), 32, dtype=torch.int64, device=ctx.device)
     for i, hexdigest in digests.items():
         t[i] = torch.tensor(list(bytes.fromhex(hexdigest)), dtype=torch.int64)
-    ctx.backend.all_reduce(t, ctx.world)
+    ctx.backend.collectives.all_reduce(t, ctx.world)
     return [bytes(row).hex() for row in t.cpu().tolist()][:count]
 
 
@@ -73,12 +73,12 @@ def broadcast_text(ctx: DistContext, text: str) -> str:
     """Rank 0's `text` on every rank (two small broadcasts: length, then UTF-8 bytes)."""
     data = text.encode()
     n = torch.tensor([len(data)], dtype=torch.int64, device=ctx.device)
-    ctx.backend.broadcast(n, 0, ctx.world)
+    ctx.backend.collectives.broadcast(n, 0, ctx.world)
     buf = torch.zeros(int(n.item()), dtype=torch.uint8)
     if ctx.rank == 0 and data:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     buf = buf.to(ctx.device)
-    ctx.backend.broadcast(buf, 0, ctx.world)
+    ctx.backend.collectives.broadcast(buf, 0, ctx.world)
     return bytes(buf.cpu().tolist()).decode(errors="replace")
 
 
@@ -90,7 +90,7 @@ def agree(ctx: DistContext, what: str, values: dict[str, Any]) -> None:
     text = json.dumps({k: repr(v) for k, v in values.items()}, sort_keys=True)
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big")
     everyone = torch.empty(ctx.world_size, dtype=torch.int64, device=ctx.device)
-    ctx.backend.all_gather_into_tensor(
+    ctx.backend.collectives.all_gather_into_tensor(
         everyone, torch.tensor([digest], dtype=torch.int64, device=ctx.device), ctx.world).wait()
     if len(set(everyone.tolist())) == 1:
         return
@@ -109,13 +109,13 @@ def gather_texts(ctx: DistContext, text: str) -> list[str]:
     """Every rank's `text`, in rank order, on every rank (two all-gathers: lengths, then bytes)."""
     data = text.encode()
     sizes = torch.empty(ctx.world_size, dtype=torch.int64, device=ctx.device)
-    ctx.backend.all_gather_into_tensor(
+    ctx.backend.collectives.all_gather_into_tensor(
         sizes, torch.tensor([len(data)], dtype=torch.int64, device=ctx.device), ctx.world).wait()
     width = max(int(sizes.max().item()), 1)
     mine = torch.zeros(width, dtype=torch.uint8)
     if data:
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     everyone = torch.empty(ctx.world_size * width, dtype=torch.uint8, device=ctx.device)
-    ctx.backend.all_gather_into_tensor(everyone, mine.to(ctx.device), ctx.world).wait()
+    ctx.backend.collectives.all_gather_into_tensor(everyone, mine.to(ctx.device), ctx.world).wait()
     rows = everyone.cpu().view(ctx.world_size, width).tolist()
     return [bytes(row[:n]).decode(errors="replace") for row, n in zip(rows, sizes.tolist())]

@@ -51,9 +51,9 @@ def _backend_facts(st: BackendStatus, origins: dict[str, dict[str, str]]) -> dic
         "available": st.available,
         "reason": st.reason or None,
         "hint": None if st.available else st.hint,
-        "device_count": (_call(instance.device_count, errors, "device_count()")
+        "device_count": (_call(instance.devices.device_count, errors, "device_count()")
                          if st.available and instance is not None else None),
-        "process_group_backend": (_call(instance.process_group_backend, errors,
+        "process_group_backend": (_call(instance.collectives.process_group_backend, errors,
                                         "process_group_backend()") if instance is not None else None),
         "priority": st.priority,
         "auto_select": _call(st.cls.auto_select_now, errors, "auto_select_now()") is True,

@@ -134,7 +134,7 @@ def build_command(req: LaunchRequest) -> tuple[list[str], dict[str, str]]:
     if not nproc.isdigit() or int(nproc) < 1:
         raise ShardkitError(f"--nproc must be a positive integer, got {nproc!r}")
     check_local_ranks(backend, int(nproc))
-    command = backend.launch_command(nproc, req.launcher_args, req.script_argv)
+    command = backend.devices.launch_command(nproc, req.launcher_args, req.script_argv)
     env = {"SHARDKIT_BACKEND": backend.name, **thread_env(int(nproc), os.environ)}
     if req.verbose:
         env["SHARDKIT_LOG"] = "info" if req.verbose == 1 else "debug"

@@ -24,7 +24,7 @@ def _mixed_precision(shardkit, backend, name: str):
     dtype = PRECISIONS[name]
     if dtype is None:
         return None
-    if not backend.supports_dtype(dtype):
+    if not backend.devices.supports_dtype(dtype):
         raise shardkit.ShardkitError(
             f"backend {backend.name!r} cannot compute in {dtype}; HINT: run with "
             "--mixed-precision none or pick a backend that supports it")
@@ -52,7 +52,7 @@ def _optimizer(model: nn.Module, cfg: DemoConfig) -> torch.optim.Optimizer:
 
 def _all_sum(ctx, values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
-    ctx.backend.all_reduce(t, ctx.world, op="sum").wait()
+    ctx.backend.collectives.all_reduce(t, ctx.world, op="sum").wait()
     return t.tolist()
 
 
@@ -86,7 +86,7 @@ def _train_epoch(model, opt, train, cfg: DemoConfig, ctx, epoch: int) -> tuple[f
         loss = F.cross_entropy(model(x).float(), y)
         loss.backward()
         opt.step()
-        ctx.backend.step_boundary()  # lazy backends (XLA) cut their graph here; a no-op elsewhere
+        ctx.backend.devices.step_boundary()  # lazy backends (XLA) cut their graph here; a no-op elsewhere
         loss_sum += loss.item() * y.numel()
         seen += y.numel()
         if bar is not None:
@@ -106,7 +106,7 @@ def train_rank(rank: int, cfg: DemoConfig) -> dict:
     ctx = require_context()  # made by shardkit.spawn
     train, test = load_digits_28(cfg.limit_train)
     # Taken after the data and its libraries are loaded, so peak - start is what training added.
-    start_bytes = ctx.backend.memory_stats(ctx.device)["allocated"]
+    start_bytes = ctx.backend.devices.memory_stats(ctx.device)["allocated"]
     with seeded(cfg.seed):  # one model on every rank, also when ranks are threads (XLA)
         model = build_model(cfg.model)
     num_params = count_params(model)
@@ -136,7 +136,7 @@ def train_rank(rank: int, cfg: DemoConfig) -> dict:
     state = measured_state_bytes(opt)
     memory = {"state_bytes": state["total"], "state_breakdown": state,
               "unsharded_formula_bytes": unsharded_state_bytes(num_params, cfg.optimizer),
-              "peak_bytes": ctx.backend.memory_stats(ctx.device)["peak"],
+              "peak_bytes": ctx.backend.devices.memory_stats(ctx.device)["peak"],
               "start_bytes": start_bytes}
     from ..sharding import sharding_info
 

@@ -104,7 +104,7 @@ class CrossGroups:
         self.manager.allreduce(high, reduce_op=ReduceOp.MAX).wait()
         self.manager.allreduce(low, reduce_op=ReduceOp.MAX).wait()
         differs = torch.tensor([float(not torch.equal(high, -low))], device=device)
-        state.backend.all_reduce(differs, state.world, op="max").wait()
+        state.backend.collectives.all_reduce(differs, state.world, op="max").wait()
         if differs.item() and not self.manager.errored():
             raise ShardkitError(
                 f"replica group {self.config.replica_group} starts from other initial weights "
@@ -238,10 +238,10 @@ def start(config: Any, backend: Any, ctx: Any, state: Any) -> CrossGroups:
         raise ShardkitError("FaultTolerance needs this replica group's own job store (a launcher "
                             "such as torchrun or `shardkit launch`, even for one rank)")
     timeout = datetime.timedelta(seconds=config.timeout_s)
-    process_group = backend.fault_tolerant_process_group(timeout)
+    process_group = backend.collectives.fault_tolerant_process_group(timeout)
     if ctx.world.rank == 0:
         clear_manager_keys(env.master_addr, env.master_port)
-    backend.barrier(ctx.world)  # no rank reads the store before the stale keys are gone
+    backend.collectives.barrier(ctx.world)  # no rank reads the store before the stale keys are gone
     connect_s = min(config.connect_timeout_s, config.quorum_timeout_s)
     try:
         manager = Manager(

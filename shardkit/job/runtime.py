@@ -54,7 +54,7 @@ class DistContext:
 
     def barrier(self) -> None:
         """Block until every rank reaches this call."""
-        self.backend.barrier(self.world)
+        self.backend.collectives.barrier(self.world)
 
 
 _thread_local = threading.local()
@@ -100,17 +100,17 @@ def init(backend: str | Backend | None = None, timeout: datetime.timedelta | flo
         return existing
     timeout = failure.resolve_timeout(timeout, be.capabilities.default_timeout)
     arm_if_launched()  # `shardkit launch` killed, even by SIGKILL: no orphaned ranks
-    env = be.launch_env()
+    env = be.devices.launch_env()
     _say_if_no_launcher(be, env)
-    device = be.normalize_device(device_id, env.local_rank)
-    be.set_device(device)
-    world = be.init_process_group(with_job_store(env, timeout), timeout)
+    device = be.devices.normalize_device(device_id, env.local_rank)
+    be.devices.set_device(device)
+    world = be.collectives.init_process_group(with_job_store(env, timeout), timeout)
     if be.capabilities.needs_step_boundary:
         install_step_hook(current_context)
     ctx = DistContext(be, env, device, world, timeout)
     logger.info("rank %d/%d (local %d, launcher %s): backend %r on %s, process group %r ready",
                 ctx.rank, ctx.world_size, env.local_rank, env.launcher, be.name, device,
-                be.process_group_backend())
+                be.collectives.process_group_backend())
     _set_current(ctx)
     _count_contexts(+1)
     failure.start(world.rank, world.size, timeout, be.capabilities.ranks_share_process, enabled)
@@ -209,7 +209,7 @@ def shutdown() -> None:
             # to its peers, and the report would be gloo's last words instead of shardkit's.
             replacement = failure.on_exception(in_flight)
         failure.stop(leaving_with=replacement)
-        ctx.backend.shutdown()
+        ctx.backend.collectives.shutdown()
     _set_current(None)
     if _count_contexts(-1 if ctx is not None else 0) == 0:
         _remove_job_hooks()

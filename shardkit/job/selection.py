@@ -143,8 +143,8 @@ def _composed_instance(spec: str) -> Backend:
     pair = compose(device, collectives)
     with _lock:
         existing = _instances.get(pair.name)
-        if (isinstance(existing, ComposedBackend) and existing.device is device
-                and existing.collectives is collectives):
+        if (isinstance(existing, ComposedBackend) and existing.device_backend is device
+                and existing.collective_backend is collectives):
             return existing
         _instances[pair.name] = pair
     logger.debug("backend %r: %r's devices with %r's collectives", pair.name, device.name,

@@ -131,7 +131,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | Backen
     check_local_ranks(get_backend(backend), nprocs)
     if backend is not None:
         # A backend whose ranks are not processes (XLA device threads) starts them itself.
-        results = get_backend(backend).spawn_ranks(_rank_body, nprocs, (fn, backend, args))
+        results = get_backend(backend).devices.spawn_ranks(_rank_body, nprocs, (fn, backend, args))
         if results is not None:
             return results
     from ..failure import DEFAULT_ACCELERATOR_TIMEOUT, resolve_timeout

@@ -20,7 +20,7 @@ _lock = threading.Lock()
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     ctx = _context_of_thread() if _context_of_thread is not None else None
     if ctx is not None and ctx.backend.capabilities.needs_step_boundary:
-        ctx.backend.step_boundary()
+        ctx.backend.devices.step_boundary()
 
 
 def install_step_hook(context_of_thread: Callable[[], Any]) -> None:

@@ -96,8 +96,8 @@ def measured_peak(rank: int, spec: MeasureSpec) -> dict[str, int]:
 
         step()
         optimizer.zero_grad()
-        ctx.backend.synchronize(ctx.device)
-        ctx.backend.reset_peak_memory(ctx.device)
+        ctx.backend.devices.synchronize(ctx.device)
+        ctx.backend.devices.reset_peak_memory(ctx.device)
         if on_host:
             from torch.autograd.profiler import record_function
 
@@ -105,10 +105,10 @@ def measured_peak(rank: int, spec: MeasureSpec) -> dict[str, int]:
                 step()
         else:
             step()
-            ctx.backend.synchronize(ctx.device)
+            ctx.backend.devices.synchronize(ctx.device)
     if on_host:
         return {"peak": _peak_in_window(profiler)}
-    return {"peak": int(ctx.backend.memory_stats(ctx.device)["peak"])}
+    return {"peak": int(ctx.backend.devices.memory_stats(ctx.device)["peak"])}
 
 
 @contextlib.contextmanager

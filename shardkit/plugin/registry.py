@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from ..backend import API_VERSION, Backend
+from ..backend import API_VERSION, Backend, CollectiveSide, DeviceSide
 from ..errors import ShardkitError
 
 _REQUIRED = ("is_available", "requirement_hint", "local_device", "device_count",
              "process_group_backend")
+# Where the required members are declared but not written (raise NotImplementedError).
+_DECLARED_ONLY = (Backend, DeviceSide, CollectiveSide)
 
 
 def _defined_by(cls: type, member: str) -> type | None:
@@ -34,7 +36,7 @@ class BackendRegistry:
         if not isinstance(getattr(cls, "device_type", None), str):
             raise ShardkitError(f"{cls.__qualname__} (plugin {self.current_plugin!r}) needs a class "
                                 "attribute `device_type`, a torch device type string")
-        missing = [m for m in _REQUIRED if _defined_by(cls, m) is Backend]
+        missing = [m for m in _REQUIRED if _defined_by(cls, m) in _DECLARED_ONLY]
         if missing:
             raise ShardkitError(f"{cls.__qualname__} (plugin {self.current_plugin!r}) does not "
                                 f"implement the required member(s) {missing}")

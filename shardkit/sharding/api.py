@@ -52,7 +52,7 @@ def _config(strategy, mixed_precision, cpu_offload, prefetch, hybrid_group_size,
     mp = config.mixed_precision
     for field_name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
         dtype = getattr(mp, field_name)
-        if dtype is not None and not backend.supports_dtype(dtype):
+        if dtype is not None and not backend.devices.supports_dtype(dtype):
             raise ShardkitError(f"backend {backend.name!r} does not support {dtype} "
                                 f"(MixedPrecision.{field_name}); HINT: use one of "
                                 f"{sorted(str(d) for d in backend.capabilities.supported_dtypes)}")
@@ -68,7 +68,9 @@ def check_quantization_support(quantization: Quantization, backend_cls: type[Bac
 
     One check for shard() and the planner (which passes the target's registered class, never
     started): a plan must not count bytes that shard() would refuse to send."""
-    inherited = getattr(backend_cls, "all_to_all_single", None) is Backend.all_to_all_single
+    # A pair's collectives are its collective side's class's (composed.py).
+    collectives_cls = getattr(backend_cls, "collectives_class", backend_cls)
+    inherited = getattr(collectives_cls, "all_to_all_single", None) is Backend.all_to_all_single
     if (quantization.gradients and inherited
             and not backend_cls.capabilities.torch_process_group):
         raise ShardkitError(
@@ -252,7 +254,7 @@ def _decide(model: nn.Module, ctx: DistContext, strategy, auto_wrap_policy, mixe
             fault_tolerant: bool = False) -> _Choices:
     """Resolve every option and the unit plan; check that every rank decided the same."""
     be = ctx.backend
-    device = ctx.device if device_id is None else be.normalize_device(device_id, ctx.local_rank)
+    device = ctx.device if device_id is None else be.devices.normalize_device(device_id, ctx.local_rank)
     tp_meshes = tensor_parallel_meshes(model) if mesh is not None else []
     if mesh is not None:
         hybrid_group_size = check_mesh(mesh, ShardingStrategy.parse(strategy), hybrid_group_size,
@@ -317,7 +319,7 @@ def _make_runtime(ctx: DistContext, choices: _Choices,
 
 
 def _shard_device(choices: _Choices, backend: Backend) -> torch.device:
-    return backend.host_device() if choices.config.cpu_offload else choices.device
+    return backend.devices.host_device() if choices.config.cpu_offload else choices.device
 
 
 def _shard_parameters(model: nn.Module, ctx: DistContext, choices: _Choices, state: ShardState,

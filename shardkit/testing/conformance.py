@@ -81,7 +81,7 @@ class Checker:
 
     def dtypes(self) -> list[torch.dtype]:
         """The float dtypes this backend says it supports."""
-        return [d for d in CANDIDATE_DTYPES if self.be.supports_dtype(d)]
+        return [d for d in CANDIDATE_DTYPES if self.be.devices.supports_dtype(d)]
 
     def put(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Copy host values to the backend's device in `dtype`."""
@@ -158,12 +158,12 @@ def check_context(c: Checker) -> None:
     c.expect(isinstance(be.capabilities, Capabilities), "capabilities is not a Capabilities")
     c.expect("sum" in be.capabilities.reduce_ops, "reduce_ops lacks 'sum', the engine's only op")
     json.dumps(be.capabilities.describe())
-    c.expect(be.supports_dtype(torch.float32), "float32 unsupported")
+    c.expect(be.devices.supports_dtype(torch.float32), "float32 unsupported")
     for dtype in CANDIDATE_DTYPES + (torch.float16,):
-        c.expect(isinstance(be.supports_dtype(dtype), bool), f"supports_dtype({dtype}) not a bool")
-    pg = be.process_group_backend()
+        c.expect(isinstance(be.devices.supports_dtype(dtype), bool), f"supports_dtype({dtype}) not a bool")
+    pg = be.collectives.process_group_backend()
     c.expect(isinstance(pg, str) and pg != "", f"process_group_backend() = {pg!r}")
-    count = be.device_count()
+    count = be.devices.device_count()
     c.expect(isinstance(count, int) and count >= 1, f"device_count() = {count!r} on a running backend")
     c.expect(type(be).is_available() is True, "is_available() is not True while running")
     c.expect(isinstance(type(be).requirement_hint(), str), "requirement_hint() is not a str")
@@ -178,11 +178,11 @@ def check_all_gather(c: Checker) -> None:
     for dtype in c.dtypes():
         for n in LENGTHS:
             out = c.blank(c.size * n, dtype)
-            c.be.all_gather_into_tensor(out, c.put(values(c.rank, n), dtype), c.ctx.world).wait()
+            c.be.collectives.all_gather_into_tensor(out, c.put(values(c.rank, n), dtype), c.ctx.world).wait()
             expected = torch.cat([values(r, n) for r in range(c.size)])
             c.expect_equal(out, expected, f"all_gather {dtype} n={n}")
         out = c.blank((c.size * 3, 5), dtype)
-        c.be.all_gather_into_tensor(out, c.put(values(c.rank, 15).view(3, 5), dtype),
+        c.be.collectives.all_gather_into_tensor(out, c.put(values(c.rank, 15).view(3, 5), dtype),
                                     c.ctx.world).wait()
         expected = torch.cat([values(r, 15).view(3, 5) for r in range(c.size)])
         c.expect_equal(out, expected, f"all_gather 2-D {dtype}")
@@ -198,11 +198,11 @@ def check_all_to_all(c: Checker) -> None:
     for async_op in (False, True):
         out = torch.zeros(c.size * n, dtype=torch.uint8, device=c.ctx.device)
         mine = codes[c.rank].to(torch.uint8).to(c.ctx.device)
-        c.be.all_to_all_single(out, mine, c.ctx.world, async_op=async_op).wait()
+        c.be.collectives.all_to_all_single(out, mine, c.ctx.world, async_op=async_op).wait()
         expected = torch.cat([codes[r][c.rank * n:(c.rank + 1) * n] for r in range(c.size)])
         c.expect_equal(out, expected.to(torch.uint8), f"all_to_all uint8 (async_op={async_op})")
     out = c.blank(c.size * n, torch.float32)
-    c.be.all_to_all_single(out, c.put(values(c.rank, c.size * n), torch.float32),
+    c.be.collectives.all_to_all_single(out, c.put(values(c.rank, c.size * n), torch.float32),
                            c.ctx.world).wait()
     expected = torch.cat([values(r, c.size * n)[c.rank * n:(c.rank + 1) * n]
                           for r in range(c.size)])
@@ -221,14 +221,14 @@ def check_engine_call_shapes(c: Checker) -> None:
             out = c.blank(c.size * n, dtype)
             row = out[c.rank * n:(c.rank + 1) * n]
             row.copy_(c.put(values(c.rank, n), dtype))
-            c.be.all_gather_into_tensor(out, row, c.ctx.world, async_op=async_op).wait()
+            c.be.collectives.all_gather_into_tensor(out, row, c.ctx.world, async_op=async_op).wait()
             c.expect_equal(out, torch.cat([values(r, n) for r in range(c.size)]),
                            f"in-place all_gather {dtype} (async_op={async_op})")
         scratch = c.put(values(c.rank, c.size * n, offset=3), dtype)
         first, second = c.blank(n, dtype), c.blank(n, dtype)
-        c.be.reduce_scatter_tensor(first, scratch, c.ctx.world, op="sum", async_op=True).wait()
+        c.be.collectives.reduce_scatter_tensor(first, scratch, c.ctx.world, op="sum", async_op=True).wait()
         scratch.fill_(1.5)  # the pool hands the buffer straight to the next reduction
-        c.be.reduce_scatter_tensor(second, scratch, c.ctx.world, op="sum").wait()
+        c.be.collectives.reduce_scatter_tensor(second, scratch, c.ctx.world, op="sum").wait()
         total = total_of(values(r, c.size * n, offset=3) for r in range(c.size))
         c.expect_equal(first, total[c.rank * n:(c.rank + 1) * n],
                        f"reduce_scatter {dtype}: output changed when its consumed input was reused")
@@ -243,7 +243,7 @@ def check_reduce_scatter_sum(c: Checker) -> None:
         for n in LENGTHS:
             out = c.blank(n, dtype)
             inp = c.put(values(c.rank, c.size * n, offset=1), dtype)
-            c.be.reduce_scatter_tensor(out, inp, c.ctx.world, op="sum").wait()
+            c.be.collectives.reduce_scatter_tensor(out, inp, c.ctx.world, op="sum").wait()
             total = total_of(values(r, c.size * n, offset=1) for r in range(c.size))
             c.expect_equal(out, total[c.rank * n:(c.rank + 1) * n],
                            f"reduce_scatter sum {dtype} n={n}")
@@ -260,7 +260,7 @@ def check_all_reduce(c: Checker) -> None:
                 continue
             for n in LENGTHS:
                 t = c.put(values(c.rank, n, offset=2), dtype)
-                c.be.all_reduce(t, c.ctx.world, op=op).wait()
+                c.be.collectives.all_reduce(t, c.ctx.world, op=op).wait()
                 stacked = torch.stack([values(r, n, offset=2) for r in range(c.size)])
                 c.expect_equal(t, reduce(stacked), f"all_reduce {op} {dtype} n={n}")
 
@@ -272,7 +272,7 @@ def check_broadcast(c: Checker) -> None:
         for src in range(c.size):
             n = LENGTHS[src % len(LENGTHS)]
             t = c.put(values(src, n, offset=3), dtype) if c.rank == src else c.blank(n, dtype)
-            c.be.broadcast(t, src, c.ctx.world).wait()
+            c.be.collectives.broadcast(t, src, c.ctx.world).wait()
             c.expect_equal(t, values(src, n, offset=3), f"broadcast from {src} {dtype}")
 
 
@@ -283,7 +283,7 @@ def check_barrier(c: Checker) -> None:
         # Later ranks arrive later, so a barrier that does not wait lets rank 0 through early.
         time.sleep(0.05 * c.rank)
         open(os.path.join(c.workdir, f"barrier{round_}-rank{c.rank}"), "w").close()
-        c.be.barrier(c.ctx.world)
+        c.be.collectives.barrier(c.ctx.world)
         arrived = [r for r in range(c.size)
                    if os.path.exists(os.path.join(c.workdir, f"barrier{round_}-rank{r}"))]
         c.expect(arrived == list(range(c.size)),
@@ -298,16 +298,16 @@ def _subgroup_collectives(c: Checker, group: Group, members: list[int], label: s
     c.expect(group.rank == members.index(c.rank) and group.is_member,
              f"{label}: group rank {group.rank}, expected {members.index(c.rank)}")
     t = c.put(values(c.rank, 7, offset=4), torch.float32)
-    c.be.all_reduce(t, group, op="sum").wait()
+    c.be.collectives.all_reduce(t, group, op="sum").wait()
     c.expect_equal(t, total_of(values(r, 7, offset=4) for r in members), f"{label}: all_reduce")
     out = c.blank(len(members) * 5, torch.float32)
-    c.be.all_gather_into_tensor(out, c.put(values(c.rank, 5), torch.float32), group).wait()
+    c.be.collectives.all_gather_into_tensor(out, c.put(values(c.rank, 5), torch.float32), group).wait()
     c.expect_equal(out, torch.cat([values(r, 5) for r in members]), f"{label}: all_gather")
     src = group.size - 1
     t = c.put(values(c.rank, 3), torch.float32) if group.rank == src else c.blank(3, torch.float32)
-    c.be.broadcast(t, src, group).wait()
+    c.be.collectives.broadcast(t, src, group).wait()
     c.expect_equal(t, values(members[src], 3), f"{label}: broadcast from group rank {src}")
-    c.be.barrier(group)
+    c.be.collectives.barrier(group)
 
 
 @_check
@@ -318,7 +318,7 @@ def check_new_group(c: Checker) -> None:
     if c.size > 1:
         layouts["ranks 1.."] = list(range(1, c.size))
     for label, ranks in layouts.items():
-        group = c.be.new_group(ranks)  # every rank creates every group, in the same order
+        group = c.be.collectives.new_group(ranks)  # every rank creates every group, in the same order
         # Groups are ordered by global rank, whatever order the ranks were given in.
         c.expect(group.ranks == tuple(sorted(ranks)), f"{label}: ranks {group.ranks} for {ranks}")
         _subgroup_collectives(c, group, sorted(ranks), label)
@@ -333,11 +333,11 @@ def check_async_handles(c: Checker) -> None:
     gathered = c.blank(c.size * n, torch.float32)
     scattered = c.blank(n, torch.float32)
     works = {
-        "all_reduce a": c.be.all_reduce(a, c.ctx.world, op="sum", async_op=True),
-        "all_reduce b": c.be.all_reduce(b, c.ctx.world, op="sum", async_op=True),
-        "all_gather": c.be.all_gather_into_tensor(gathered, c.put(values(c.rank, n), torch.float32),
+        "all_reduce a": c.be.collectives.all_reduce(a, c.ctx.world, op="sum", async_op=True),
+        "all_reduce b": c.be.collectives.all_reduce(b, c.ctx.world, op="sum", async_op=True),
+        "all_gather": c.be.collectives.all_gather_into_tensor(gathered, c.put(values(c.rank, n), torch.float32),
                                                   c.ctx.world, async_op=True),
-        "reduce_scatter": c.be.reduce_scatter_tensor(
+        "reduce_scatter": c.be.collectives.reduce_scatter_tensor(
             scattered, c.put(values(c.rank, c.size * n, offset=6), torch.float32), c.ctx.world,
             op="sum", async_op=True),
     }
@@ -368,10 +368,10 @@ def check_sum_then_divide_mean(c: Checker) -> None:
         inputs = [_random(r, c.size * n).to(dtype) for r in range(c.size)]
         mean = torch.stack([x.double() for x in inputs]).mean(0)
         t = inputs[c.rank].clone().to(c.ctx.device)
-        c.be.all_reduce(t, c.ctx.world, op="sum").wait()
+        c.be.collectives.all_reduce(t, c.ctx.world, op="sum").wait()
         c.expect_close(t.div_(c.size), mean, f"all_reduce mean {dtype}", rtol=tol, atol=tol)
         out = c.blank(n, dtype)
-        c.be.reduce_scatter_tensor(out, inputs[c.rank].to(c.ctx.device), c.ctx.world, op="sum").wait()
+        c.be.collectives.reduce_scatter_tensor(out, inputs[c.rank].to(c.ctx.device), c.ctx.world, op="sum").wait()
         c.expect_close(out.div_(c.size), mean[c.rank * n:(c.rank + 1) * n],
                        f"reduce_scatter mean {dtype}", rtol=tol, atol=tol)
 
@@ -395,9 +395,9 @@ def check_exact_reduce_ops(c: Checker) -> None:
     declared = c.be.capabilities.exact_reduce_ops
     n = 7
     for dtype in EXACT_OP_DTYPES:
-        if not c.be.supports_dtype(dtype):
+        if not c.be.devices.supports_dtype(dtype):
             continue
-        claimed = c.be.exact_reduce_ops_for(dtype)
+        claimed = c.be.collectives.exact_reduce_ops_for(dtype)
         c.expect(claimed <= declared, f"exact_reduce_ops_for({dtype}) = {sorted(claimed)} claims "
                  f"ops outside capabilities.exact_reduce_ops {sorted(declared)}")
         for op in sorted(claimed & declared):
@@ -408,10 +408,10 @@ def check_exact_reduce_ops(c: Checker) -> None:
             tol = 0.0 if op == "avg" or c.size & (c.size - 1) == 0 else (
                 1e-6 if dtype == torch.float32 else 2e-2)
             t = c.put(_mean_inputs(c.rank, c.size * n), dtype)
-            c.be.all_reduce(t, c.ctx.world, op=op, factor=factor).wait()
+            c.be.collectives.all_reduce(t, c.ctx.world, op=op, factor=factor).wait()
             _expect_mean(c, t, mean, f"all_reduce {op} {dtype}", tol)
             out = c.blank(n, dtype)
-            c.be.reduce_scatter_tensor(out, c.put(_mean_inputs(c.rank, c.size * n), dtype),
+            c.be.collectives.reduce_scatter_tensor(out, c.put(_mean_inputs(c.rank, c.size * n), dtype),
                                        c.ctx.world, op=op, factor=factor).wait()
             _expect_mean(c, out, mean[c.rank * n:(c.rank + 1) * n], f"reduce_scatter {op} {dtype}",
                          tol)
@@ -428,21 +428,21 @@ def _expect_mean(c: Checker, actual: torch.Tensor, mean: torch.Tensor, what: str
 
 @_check
 def check_unsupported_op(c: Checker) -> None:
-    """A reduce op the backend does not list raises UnsupportedOperationError naming the backend."""
+    """A reduce op the backend does not list raises UnsupportedOperationError naming the backend whose collectives refuse it."""
     for op in UNSUPPORTED_OPS:
         if op in c.be.capabilities.reduce_ops | c.be.capabilities.exact_reduce_ops:
             continue
         t = c.put(values(c.rank, 4), torch.float32)
         c.expect_raises(UnsupportedOperationError,
-                        lambda: c.be.all_reduce(t, c.ctx.world, op=op).wait(),
-                        f"all_reduce op={op!r}", must_mention=c.be.name)
+                        lambda: c.be.collectives.all_reduce(t, c.ctx.world, op=op).wait(),
+                        f"all_reduce op={op!r}", must_mention=c.be.collectives.name)
         c.expect_equal(t, values(c.rank, 4), f"all_reduce op={op!r} changed its tensor")
         out = c.blank(2, torch.float32)
         c.expect_raises(UnsupportedOperationError,
-                        lambda: c.be.reduce_scatter_tensor(
+                        lambda: c.be.collectives.reduce_scatter_tensor(
                             out, c.put(values(c.rank, 2 * c.size), torch.float32), c.ctx.world,
                             op=op).wait(),
-                        f"reduce_scatter op={op!r}", must_mention=c.be.name)
+                        f"reduce_scatter op={op!r}", must_mention=c.be.collectives.name)
 
 
 @_check
@@ -452,9 +452,9 @@ def check_reduce_scatter_size_mismatch(c: Checker) -> None:
         out = c.blank(3, torch.float32)
         inp = c.put(values(c.rank, 3 * c.size + extra), torch.float32)
         c.expect_raises(ShardkitError,
-                        lambda: c.be.reduce_scatter_tensor(out, inp, c.ctx.world, op="sum").wait(),
+                        lambda: c.be.collectives.reduce_scatter_tensor(out, inp, c.ctx.world, op="sum").wait(),
                         f"reduce_scatter input {inp.numel()} for output 3 x {c.size}")
-    c.be.barrier(c.ctx.world)  # everyone is still alive and in step afterwards
+    c.be.collectives.barrier(c.ctx.world)  # everyone is still alive and in step afterwards
 
 
 @_check
@@ -462,18 +462,18 @@ def check_storage_round_trip(c: Checker) -> None:
     """free_storage/alloc_storage keep the tensor object and give back room for its shape."""
     t = c.put(values(c.rank, 11), torch.float32)
     if not c.be.capabilities.supports_storage_resize:
-        c.expect_raises(UnsupportedOperationError, lambda: c.be.free_storage(t),
+        c.expect_raises(UnsupportedOperationError, lambda: c.be.devices.free_storage(t),
                         "free_storage without supports_storage_resize")
         return
     nbytes = t.numel() * t.element_size()
-    c.be.free_storage(t)
+    c.be.devices.free_storage(t)
     c.expect(t.untyped_storage().size() == 0, f"{t.untyped_storage().size()} bytes left after free")
-    c.be.free_storage(t)  # freeing twice is harmless
+    c.be.devices.free_storage(t)  # freeing twice is harmless
     c.expect(tuple(t.shape) == (11,), f"free_storage changed the shape to {tuple(t.shape)}")
-    c.be.alloc_storage(t)
+    c.be.devices.alloc_storage(t)
     c.expect(t.untyped_storage().size() == nbytes,
              f"alloc_storage gave {t.untyped_storage().size()} bytes, expected {nbytes}")
-    c.be.alloc_storage(t)  # allocating an allocated tensor is harmless
+    c.be.devices.alloc_storage(t)  # allocating an allocated tensor is harmless
     t.copy_(c.put(values(c.rank, 11, offset=7), torch.float32))
     c.expect_equal(t, values(c.rank, 11, offset=7), "values written after alloc_storage")
 
@@ -482,44 +482,44 @@ def check_storage_round_trip(c: Checker) -> None:
 def check_streams_and_events(c: Checker) -> None:
     """Streams and events (real or null objects) support the calls the engine makes."""
     be, dev = c.be, c.ctx.device
-    side, main = be.new_stream(dev), be.current_stream(dev)
+    side, main = be.devices.new_stream(dev), be.devices.current_stream(dev)
     c.expect(side is not None and main is not None, "new_stream/current_stream returned None")
-    event = be.new_event()
+    event = be.devices.new_event()
     c.expect(event is not None, "new_event returned None")
     side.wait_stream(main)
-    with be.use_stream(side):
+    with be.devices.use_stream(side):
         t = c.put(values(c.rank, 6), torch.float32) * 2
         event.record(side)
     main.wait_event(event)
     event.wait(main)
-    be.record_stream(t, main)
+    be.devices.record_stream(t, main)
     event.synchronize()
     side.synchronize()
     c.expect(bool(event.query()), "event not complete after synchronize()")
-    be.synchronize(dev)
-    be.synchronize()
+    be.devices.synchronize(dev)
+    be.devices.synchronize()
     c.expect_equal(t, values(c.rank, 6) * 2, "work queued on a side stream")
-    be.compiler_barrier([t])
-    be.step_boundary()
+    be.devices.compiler_barrier([t])
+    be.devices.step_boundary()
 
 
 @_check
 def check_normalize_device(c: Checker) -> None:
     """normalize_device accepts None, an index, the type string and torch.device; rejects the rest."""
     be, local = c.be, c.ctx.local_rank
-    home = be.local_device(local)
+    home = be.devices.local_device(local)
     c.expect(home.type == be.device_type, f"local_device gave {home}")
     for arg in (None, be.device_type, torch.device(be.device_type)):
-        got = be.normalize_device(arg, local)
+        got = be.devices.normalize_device(arg, local)
         c.expect(got == home, f"normalize_device({arg!r}) = {got}, expected {home}")
     for index_arg in (0, f"{be.device_type}:0", torch.device(be.device_type, 0)):
-        got = be.normalize_device(index_arg, local)
+        got = be.devices.normalize_device(index_arg, local)
         c.expect(got.type == be.device_type and got.index in (0, None),
                  f"normalize_device({index_arg!r}) = {got}")
     other = "meta" if be.device_type != "meta" else "cpu"
     bad_args: tuple[Any, ...] = (-1, True, 1.5, other, torch.device(other))  # wrong on purpose
     for bad in bad_args:
-        c.expect_raises(ShardkitError, lambda: be.normalize_device(bad, local),
+        c.expect_raises(ShardkitError, lambda: be.devices.normalize_device(bad, local),
                         f"normalize_device({bad!r})")
 
 
@@ -527,12 +527,12 @@ def check_normalize_device(c: Checker) -> None:
 def check_memory_stats(c: Checker) -> None:
     """memory_stats reports non-negative integer 'allocated' and 'peak' bytes."""
     for device in (c.ctx.device, None):
-        stats = c.be.memory_stats(device)
+        stats = c.be.devices.memory_stats(device)
         for key in ("allocated", "peak"):
             value = stats.get(key)
             c.expect(isinstance(value, int) and value >= 0,
                      f"memory_stats({device})[{key!r}] = {value!r}")
-    c.be.reset_peak_memory(c.ctx.device)
+    c.be.devices.reset_peak_memory(c.ctx.device)
 
 
 @_check
@@ -548,7 +548,7 @@ def check_declared_facts(c: Checker) -> None:
                 continue
             for head_dim in (64, 128, 256):
                 call = AttentionCall(dtype, dropout, masked, mask_grad, grouped, head_dim)
-                runs, says = c.be.runs_fused_attention(call), declared.fused_attention(call)
+                runs, says = c.be.devices.runs_fused_attention(call), declared.fused_attention(call)
                 c.expect(runs == says, f"runs_fused_attention({call}) is {runs} but "
                                        f"Capabilities.fused_attention says {says}")
 

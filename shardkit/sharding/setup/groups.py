@@ -26,8 +26,8 @@ class GroupMaker:
         self.made: list[Group] = []
 
     def new_group(self, ranks: Sequence[int]) -> Group:
-        """backend.new_group(ranks), remembered (every rank of the job calls it with the same ranks)."""
-        group = self.backend.new_group(ranks)
+        """backend.collectives.new_group(ranks), remembered (every rank of the job calls it with the same ranks)."""
+        group = self.backend.collectives.new_group(ranks)
         self.made.append(group)
         return group
 
@@ -42,7 +42,7 @@ def release_groups(backend: Backend, groups: list[Group]) -> None:
     """Destroy subgroups of a model that is gone; runs from a finalizer, so it never raises."""
     for group in groups:
         try:
-            backend.destroy_group(group)
+            backend.collectives.destroy_group(group)
         except Exception as exc:  # noqa: BLE001 - a finalizer's exception would only be printed, mid-step
             logger.debug("could not destroy process group %s: %s", group.ranks, exc)
 

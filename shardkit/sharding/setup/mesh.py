@@ -182,7 +182,7 @@ def check_tensor_parallel_options(strategy: ShardingStrategy, sync: bool, meta: 
 def _check_library(mesh: Any, backend: Backend) -> None:
     import torch.distributed as dist
 
-    wanted = backend.process_group_backend().lower()
+    wanted = backend.collectives.process_group_backend().lower()
     for dim in range(mesh.ndim):
         library = str(dist.get_backend(mesh.get_group(dim))).lower()
         if wanted not in library:

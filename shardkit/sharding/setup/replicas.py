@@ -56,7 +56,7 @@ def _from_bytes_f32(encoded: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _portable(t: torch.Tensor, backend: Backend, device: torch.device) -> torch.Tensor:
     """`t` flat on `device` in a dtype the backend's collectives take (a view where it already is)."""
-    if backend.supports_dtype(t.dtype):
+    if backend.devices.supports_dtype(t.dtype):
         return t.detach().to(device).reshape(-1)
     return _as_bytes_f32(t, device)
 
@@ -65,8 +65,8 @@ def broadcast_from_first(t: torch.Tensor, backend: Backend, group: Group,
                          device: torch.device) -> torch.Tensor:
     """Group rank 0's value of `t` (same shape, dtype and device as `t`); collective."""
     buf = _portable(t, backend, device).clone()  # the broadcast writes it
-    backend.broadcast(buf, 0, group).wait()
-    if backend.supports_dtype(t.dtype):
+    backend.collectives.broadcast(buf, 0, group).wait()
+    if backend.devices.supports_dtype(t.dtype):
         return buf.view(t.shape).to(t.device)
     return _from_bytes_f32(buf, t).to(t.device)
 
@@ -98,7 +98,7 @@ def _differing(named: list[tuple[str, torch.Tensor]], backend: Backend, group: G
         # Rank 0 only sends (a broadcast leaves the source's values as they are); the others
         # receive into fresh memory and compare.
         first = mine if group.rank == 0 else torch.empty_like(mine)
-        backend.broadcast(first, 0, group).wait()
+        backend.collectives.broadcast(first, 0, group).wait()
         sizes = [portable[i].numel() for i in run]
         for i, a, b in zip(run, mine.split(sizes), first.split(sizes)):
             flags[i] = not torch.equal(a, b)
@@ -113,7 +113,7 @@ def replica_mismatches(named: list[tuple[str, torch.Tensor]], backend: Backend, 
     mine = torch.tensor([float(f) for f in _differing(named, backend, group, device)],
                         dtype=torch.float32, device=device)
     everyone = torch.empty(group.size * mine.numel(), dtype=torch.float32, device=device)
-    backend.all_gather_into_tensor(everyone, mine, group).wait()
+    backend.collectives.all_gather_into_tensor(everyone, mine, group).wait()
     table = everyone.view(group.size, -1).cpu()
     return [(name, [group.ranks[r] for r in range(group.size) if table[r, i]])
             for i, (name, _) in enumerate(named) if table[:, i].any()]
@@ -142,7 +142,7 @@ def check_replicas(params: Iterable[tuple[str, torch.Tensor]], replica: Group | 
             # Replica groups compare different rows: every rank must learn of any group's
             # mismatch, or the rest would go on into a collective nobody else joins.
             anywhere = torch.tensor([float(bool(found))], device=device)
-            backend.all_reduce(anywhere, world, op=ReduceOp.MAX).wait()
+            backend.collectives.all_reduce(anywhere, world, op=ReduceOp.MAX).wait()
             if anywhere.item() and not found:
                 raise ShardkitError(
                     "another replica group holds differing values of a parameter (its ranks "

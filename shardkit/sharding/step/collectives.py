@@ -121,5 +121,5 @@ def share_replicated_scalars(params: Sequence[ShardedParam], row: torch.Tensor,
     if stats is not None:
         stats.all_reduce(values.numel() * values.element_size(), group.size,
                          stats.crosses_node(group))
-    backend.all_reduce(values, group, op="sum", async_op=False).wait()
+    backend.collectives.all_reduce(values, group, op="sum", async_op=False).wait()
     row.index_copy_(0, index, values)

@@ -201,7 +201,7 @@ class ShardedParam:
     def alloc_unsharded(self) -> None:
         """Give the padded flat buffer (and so the unsharded parameter) memory; copy-out fills it."""
         if self._backend.capabilities.supports_storage_resize:
-            self._backend.alloc_storage(self.unsharded_flat)  # the padded size, not just numel
+            self._backend.devices.alloc_storage(self.unsharded_flat)  # the padded size, not just numel
         else:
             # No storage to resize (lazy tensors): swap in a fresh buffer under the same Parameter.
             self.unsharded_flat = torch.empty(self.padded_numel, dtype=self.compute_dtype,
@@ -211,7 +211,7 @@ class ShardedParam:
     def free_unsharded(self) -> None:
         """Drop the unsharded parameter's memory while keeping the object autograd refers to."""
         if self._backend.capabilities.supports_storage_resize:
-            self._backend.free_storage(self.unsharded_flat)
+            self._backend.devices.free_storage(self.unsharded_flat)
         else:
             self.unsharded_flat = torch.empty(0, dtype=self.compute_dtype, device=self.compute_device)
             self.unsharded.data = torch.empty(0, dtype=self.compute_dtype, device=self.compute_device)

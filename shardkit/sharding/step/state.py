@@ -43,11 +43,11 @@ class ShardState:
         self.needs_compiler_barrier = caps.needs_compiler_barrier
         self.stats = CommStats(ranks_per_node)
         # Separate streams let gathers and reductions overlap compute (null objects without streams).
-        self.gather_stream = backend.new_stream(device)
-        self.reduce_stream = backend.new_stream(device)
+        self.gather_stream = backend.devices.new_stream(device)
+        self.reduce_stream = backend.devices.new_stream(device)
         # Enough for the gathers in flight (prefetch + the one in use) and one reduction input.
         self.pool = BufferPool(enabled=not caps.has_streams, max_buffers=config.prefetch + 2,
-                               release=backend.free_storage if caps.supports_storage_resize
+                               release=backend.devices.free_storage if caps.supports_storage_resize
                                else None)
         self.units: list[ShardUnit] = []  # root unit last
         self.root_unit: ShardUnit | None = None

@@ -203,7 +203,7 @@ class ShardUnit:
             self.partial_rows[i] = torch.cat(
                 [p.unsharded_flat.view(group.size, -1)[group.rank] for p in bucket.params])
         if self.state.needs_compiler_barrier:
-            self.state.backend.compiler_barrier([*self.partial_rows.values(),
+            self.state.backend.devices.compiler_barrier([*self.partial_rows.values(),
                                                  *(p.unsharded for p in self.params)])
         for p in self.params:
             p.free_unsharded()
@@ -225,7 +225,7 @@ class ShardUnit:
         self.pending = []
         if self.is_unsharded:
             if self.state.needs_compiler_barrier:
-                self.state.backend.compiler_barrier([p.unsharded for p in self.params])
+                self.state.backend.devices.compiler_barrier([p.unsharded for p in self.params])
             for p in self.params:
                 p.free_unsharded()
         self._move(ShardedState.SHARDED)
@@ -250,7 +250,7 @@ class ShardUnit:
                 self.collectives.release(pending)
         self.pending = []
         if st.needs_compiler_barrier:
-            st.backend.compiler_barrier([p.unsharded for p in self.params])
+            st.backend.devices.compiler_barrier([p.unsharded for p in self.params])
 
     # ---- gradients -------------------------------------------------------------------------
     def reduce_grads(self) -> list[PendingReduce]:

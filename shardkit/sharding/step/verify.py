@@ -90,34 +90,34 @@ class VerifyingBackend:
                                async_op: bool = False) -> Work:
         """Verify, then all-gather."""
         self._verify("all_gather", input, group)
-        return self._backend.all_gather_into_tensor(output, input, group, async_op=async_op)
+        return self._backend.collectives.all_gather_into_tensor(output, input, group, async_op=async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                               op: str = ReduceOp.SUM, async_op: bool = False, *,
                               factor: float | None = None) -> Work:
         """Verify, then reduce-scatter."""
         self._verify(f"reduce_scatter({op})", input, group)
-        return self._backend.reduce_scatter_tensor(output, input, group, op=op, async_op=async_op,
+        return self._backend.collectives.reduce_scatter_tensor(output, input, group, op=op, async_op=async_op,
                                                    **factor_kwargs(factor))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                           async_op: bool = False) -> Work:
         """Verify, then all-to-all."""
         self._verify("all_to_all", input, group)
-        return self._backend.all_to_all_single(output, input, group, async_op=async_op)
+        return self._backend.collectives.all_to_all_single(output, input, group, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = ReduceOp.SUM,
                    async_op: bool = False, *, factor: float | None = None) -> Work:
         """Verify, then all-reduce."""
         self._verify(f"all_reduce({op})", tensor, group)
-        return self._backend.all_reduce(tensor, group, op=op, async_op=async_op,
+        return self._backend.collectives.all_reduce(tensor, group, op=op, async_op=async_op,
                                         **factor_kwargs(factor))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group,
                   async_op: bool = False) -> Work:
         """Verify, then broadcast."""
         self._verify(f"broadcast(from {src})", tensor, group)
-        return self._backend.broadcast(tensor, src, group, async_op=async_op)
+        return self._backend.collectives.broadcast(tensor, src, group, async_op=async_op)
 
     # ---- the check -------------------------------------------------------------------------
     def _verify(self, op: str, tensor: torch.Tensor, group: Group) -> None:

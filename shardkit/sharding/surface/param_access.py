@@ -111,7 +111,7 @@ def full_tensor(param: torch.Tensor, local: torch.Tensor | None = None) -> torch
     out = torch.empty(sp.padded_numel, dtype=inp.dtype, device=state.device)
     state.stats.all_gather(inp.numel() * inp.element_size(), state.shard_group.size,
                            state.stats.crosses_node(state.shard_group))
-    state.backend.all_gather_into_tensor(out, inp, state.shard_group, async_op=False).wait()
+    state.backend.collectives.all_gather_into_tensor(out, inp, state.shard_group, async_op=False).wait()
     return out[:sp.numel].view(sp.full_shape).to(local.device)
 
 

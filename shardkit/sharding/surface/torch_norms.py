@@ -124,17 +124,17 @@ def _whole_norms(local: list[torch.Tensor], norm_type: float, state: Any,
         # Collectives are asked only for sums, so gather every rank's maxima and reduce here.
         for group in groups:
             everyone = torch.empty(group.size * values.numel(), dtype=torch.float32, device=device)
-            backend.all_gather_into_tensor(everyone, values.contiguous(), group).wait()
+            backend.collectives.all_gather_into_tensor(everyone, values.contiguous(), group).wait()
             values = everyone.view(group.size, -1).amax(dim=0)
         whole = values
     elif norm_type == 0:  # a count of non-zero elements adds up across rows
         for group in groups:
-            backend.all_reduce(values, group, op="sum").wait()
+            backend.collectives.all_reduce(values, group, op="sum").wait()
         whole = values
     else:
         powered = values.pow(norm_type)
         for group in groups:
-            backend.all_reduce(powered, group, op="sum").wait()
+            backend.collectives.all_reduce(powered, group, op="sum").wait()
         whole = powered.pow(1.0 / norm_type)
     return [w.to(n.device, n.dtype) for w, n in zip(whole.unbind(0), local)]
 

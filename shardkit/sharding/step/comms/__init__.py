@@ -132,13 +132,13 @@ class UnitCollectives:
         backend, device = rt.backend, rt.device
         # Packing ran on the compute stream (where the grads were made); the collective runs on
         # the reduce stream so the next unit's backward can proceed.
-        stream = stream if stream is not None else backend.current_stream(device)
-        stream.wait_stream(backend.current_stream(device))
-        backend.record_stream(inp, stream)
-        with backend.use_stream(stream):
+        stream = stream if stream is not None else backend.devices.current_stream(device)
+        stream.wait_stream(backend.devices.current_stream(device))
+        backend.devices.record_stream(inp, stream)
+        with backend.devices.use_stream(stream):
             out = self.scatter.output(inp.shape[1], inp.dtype, device)
             work, finish = self.scatter.launch(out, inp, rt.shard_group, plan)
-            event = backend.new_event()
+            event = backend.devices.new_event()
             event.record(stream)
         return PendingReduce(list(params), work, out, inp, plan, rt.shard_group, event, pooled,
                              finish)
@@ -149,7 +149,7 @@ class UnitCollectives:
         tolerance then averaged over the replica groups outside this job."""
         rt = self.rt
         backend = rt.backend
-        current = backend.current_stream(pending.output.device)
+        current = backend.devices.current_stream(pending.output.device)
         # The compute stream first waits for all the reduce stream queued (the collective's
         # launch included), then for the collective: a backend whose wait() ends with a copy on
         # the current stream (the cpu backend's reduce-scatter, built from an all-reduce, under
@@ -160,7 +160,7 @@ class UnitCollectives:
             current.wait_event(pending.event)
         pending.work.wait()
         out, plan = pending.output, pending.plan
-        backend.record_stream(out, current)
+        backend.devices.record_stream(out, current)
         if pending.finish is not None:
             pending.finish(current)
         replica = rt.replica_group

@@ -48,7 +48,7 @@ class GatherComm:
 
     def call(self, output: torch.Tensor, row: torch.Tensor, group: Group, async_op: bool) -> Work:
         """The collective itself: the backend's all-gather."""
-        return self.backend.all_gather_into_tensor(output, row, group, async_op=async_op)
+        return self.backend.collectives.all_gather_into_tensor(output, row, group, async_op=async_op)
 
 
 class QuantizedGather(GatherComm):
@@ -73,7 +73,7 @@ class QuantizedGather(GatherComm):
         if self.stats is not None:
             self.stats.all_gather(payload.shape[1], group.size, self.stats.crosses_node(group))
         with trace_range("shardkit::all_gather"):
-            work = self.backend.all_gather_into_tensor(payload.view(-1), payload[group.rank],
+            work = self.backend.collectives.all_gather_into_tensor(payload.view(-1), payload[group.rank],
                                                        group, async_op=async_op)
         decoded = False
 
@@ -81,7 +81,7 @@ class QuantizedGather(GatherComm):
             nonlocal decoded
             if decoded:  # a second wait() must not overwrite what the first decoded
                 return
-            self.backend.record_stream(payload, current)
+            self.backend.devices.record_stream(payload, current)
             with trace_range("shardkit::dequantize"):
                 output.view(group.size, -1).copy_(decode_rows(payload, numel, block))
             decoded = True
@@ -125,12 +125,12 @@ class PendingGather:
 
     def wait(self, backend: Backend, device: torch.device) -> None:
         """Make the compute stream see the gathered data (blocks the host where there are no streams)."""
-        current = backend.current_stream(device)
+        current = backend.devices.current_stream(device)
         if self.event is not None:  # before the work's wait: see UnitCollectives.reduced_row
             current.wait_event(self.event)
         self.work.wait()
         # The output was allocated on the gather stream; copy-out reads it on the compute stream.
-        backend.record_stream(self.output, current)
+        backend.devices.record_stream(self.output, current)
         if self.finish is not None:
             self.finish(current)
 
@@ -148,11 +148,11 @@ def start_gather(comm: GatherComm, params: Sequence[ShardedParam], dtype: torch.
     is the output (a direct bucket's padded flat storage) instead of the comm's buffer.
     """
     backend = comm.backend
-    stream = stream if stream is not None else backend.current_stream(device)
-    stream.wait_stream(backend.current_stream(device))
+    stream = stream if stream is not None else backend.devices.current_stream(device)
+    stream.wait_stream(backend.devices.current_stream(device))
     if source is not None:
-        backend.record_stream(source, stream)  # the caller drops it while the copy is queued
-    with backend.use_stream(stream):
+        backend.devices.record_stream(source, stream)  # the caller drops it while the copy is queued
+    with backend.devices.use_stream(stream):
         row = sum(row_sizes(params)) if source is None else source.numel()
         if into is not None:
             out, pooled = into, False
@@ -167,7 +167,7 @@ def start_gather(comm: GatherComm, params: Sequence[ShardedParam], dtype: torch.
             else:
                 mine.copy_(source)
         work, finish = comm.launch(out, mine, group, async_op)
-        event = backend.new_event()
+        event = backend.devices.new_event()
         event.record(stream)
     return PendingGather(work, out, event, into_storage=into is not None, pooled=pooled,
                          finish=finish)

@@ -46,7 +46,7 @@ class ScatterComm:
 
     def exact_ops(self, dtype: torch.dtype) -> frozenset[str]:
         """The averaging ops (AVG, PREMUL_SUM) this reduce-scatter computes exactly for `dtype`."""
-        return self.backend.exact_reduce_ops_for(dtype)
+        return self.backend.collectives.exact_reduce_ops_for(dtype)
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device,
                  pool: BufferPool) -> tuple[torch.Tensor, bool]:
@@ -69,7 +69,7 @@ class ScatterComm:
     def call(self, output: torch.Tensor, flat: torch.Tensor, group: Group,
              plan: ReducePlan) -> Work:
         """The collective itself: the backend's reduce-scatter with the plan's op, async."""
-        return self.backend.reduce_scatter_tensor(output, flat, group, op=plan.scatter_op,
+        return self.backend.collectives.reduce_scatter_tensor(output, flat, group, op=plan.scatter_op,
                                                   async_op=True,
                                                   **factor_kwargs(plan.scatter_factor))
 
@@ -102,7 +102,7 @@ class QuantizedScatter(ScatterComm):
             nonlocal decoded
             if decoded:
                 return
-            self.backend.record_stream(received, current)
+            self.backend.devices.record_stream(received, current)
             with trace_range("shardkit::dequantize"):
                 total = decode_rows(received, output.numel(), self.block).sum(dim=0)
                 output.copy_(apply_op(total, plan.scatter_op, plan.scatter_factor, group.size))
@@ -121,7 +121,7 @@ class QuantizedScatter(ScatterComm):
             self.stats.all_to_all(kind, sent.shape[1] * per_peer, group.size,
                                   self.stats.peers_elsewhere(group))
         with trace_range("shardkit::reduce_scatter"):
-            work = self.backend.all_to_all_single(received.view(-1), sent.view(-1), group,
+            work = self.backend.collectives.all_to_all_single(received.view(-1), sent.view(-1), group,
                                                   async_op=True)
         # The send buffer must outlive the collective, and not every backend's work references it.
         return KeepAlive(work, sent), received
@@ -174,7 +174,7 @@ class CustomScatter(ScatterComm):
         if group.size <= 1:
             return super().call(output, flat, group, plan)
         return TorchWork(self.comm(output_tensor=output, input_tensor=flat, group=group.handle,
-                                   op=self.backend.torch_reduce_op(ReduceOp.SUM), async_op=True))
+                                   op=self.backend.collectives.torch_reduce_op(ReduceOp.SUM), async_op=True))
 
 
 @dataclass
@@ -208,7 +208,7 @@ class ReplicaReduce:
         if self.stats is not None:
             self.stats.all_reduce(row.numel() * row.element_size(), group.size,
                                   self.stats.crosses_node(group))
-        self.backend.all_reduce(row, group, op=op, async_op=False, **factor_kwargs(factor)).wait()
+        self.backend.collectives.all_reduce(row, group, op=op, async_op=False, **factor_kwargs(factor)).wait()
 
 
 class QuantizedReplicaReduce(ReplicaReduce):
@@ -240,7 +240,7 @@ class QuantizedReplicaReduce(ReplicaReduce):
         if self.stats is not None:
             self.stats.all_gather(gathered.shape[1], size, self.stats.crosses_node(group),
                                   kind="all_reduce")
-        self.backend.all_gather_into_tensor(gathered.view(-1), gathered[group.rank], group).wait()
+        self.backend.collectives.all_gather_into_tensor(gathered.view(-1), gathered[group.rank], group).wait()
         row.view(-1).copy_(decode_rows(gathered, width, block).reshape(-1)[:numel])
 
 
