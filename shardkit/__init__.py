@@ -26,7 +26,7 @@ from .job.spawn import SpawnError, spawn
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
     from . import checkpoint, wrap
-    from .backend import API_VERSION, Backend
+    from .backend import API_VERSION, Backend, CollectiveSide, DeviceSide
     from .capabilities import AttentionCall, Capabilities
     from .global_mean import global_mean
     from .handles import CompletedWork, Group, NullEvent, NullStream, ReduceOp, TorchWork, Work
@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
 
 # public name -> (module, attribute in it); tests/test_cli_startup.py checks it against the block above
 _LAZY: dict[str, tuple[str, str]] = {
-    **{name: (".backend", name) for name in ("API_VERSION", "Backend")},
+    **{name: (".backend", name) for name in ("API_VERSION", "Backend", "CollectiveSide", "DeviceSide")},
     **{name: (".capabilities", name) for name in ("AttentionCall", "Capabilities")},
     **{name: (".handles", name) for name in ("CompletedWork", "Group", "NullEvent", "NullStream",
                                              "ReduceOp", "TorchWork", "Work")},
@@ -89,8 +89,8 @@ def __dir__() -> list[str]:
 # Every public name, bound above or resolved by __getattr__ (tests/test_cli_startup.py checks).
 __all__ = [
     "API_VERSION", "AttentionCall", "Backend", "BackendNotFoundError", "BackendUnavailableError",
-    "Capabilities", "CheckpointError", "CheckpointNotFoundError", "CollectiveOrderError",
-    "CompletedWork", "CorruptCheckpointError", "DistContext", "FaultTolerance", "Group",
+    "Capabilities", "CheckpointError", "CollectiveSide", "CheckpointNotFoundError", "CollectiveOrderError",
+    "CompletedWork", "CorruptCheckpointError", "DeviceSide", "DistContext", "FaultTolerance", "Group",
     "IncompleteCheckpointError", "JobStoreError", "LaunchEnv", "MixedPrecision", "NullEvent",
     "NullStream", "PeerFailedError", "Plan", "PluginLoadError", "Quantization", "ReduceOp", "ShardingStrategy",
     "ShardkitError", "SpawnError", "StateDictMismatchError", "TorchWork",
