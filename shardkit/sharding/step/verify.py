@@ -2,7 +2,8 @@
 
 Ranks that issue different collectives (an extra forward on one rank, a unit skipped by a branch)
 otherwise pair up mismatched operations and hang, or silently mix tensors of equal size. With
-verification on, the engine's backend is wrapped: before each collective a rank publishes a
+verification on, the engine's backend gets a wrapped collective side (`backend.collectives`; the
+device side is the backend's own): before each collective a rank publishes a
 fingerprint of it (sequence number, op, element count, dtype, unit and phase) in the job's store
 and compares it with every other member of the group. The first difference raises on both sides,
 naming the collective each rank was about to issue. Off (the default), the engine uses the backend
@@ -68,18 +69,34 @@ def maybe_wrap(backend: Backend, verify: bool | None, timeout: datetime.timedelt
 
 
 class VerifyingBackend:
-    """A Backend whose collectives are checked for the same order on every rank first."""
+    """A Backend whose collective side checks each collective's order on every rank first; the rest is the backend's."""
 
     def __init__(self, backend: Backend, store: Any, timeout: datetime.timedelta,
                  prefix: str = _PREFIX) -> None:
         self._backend = backend
+        self.collectives = VerifyingCollectives(backend.collectives, store, timeout, prefix)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    @property
+    def verified_collectives(self) -> int:
+        """How many collectives this rank has verified so far (all groups)."""
+        return self.collectives.verified_collectives
+
+
+class VerifyingCollectives:
+    """A collective side that verifies each collective, then runs it on the side it wraps."""
+
+    def __init__(self, side: Any, store: Any, timeout: datetime.timedelta, prefix: str) -> None:
+        self._side = side
         self._store = store
         self._timeout = timeout
         self._prefix = prefix  # one per verified model: its own sequence numbers
         self._seq: dict[tuple[int, ...], int] = {}
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
+        return getattr(self._side, name)  # groups, barriers, reduce ops: not verified
 
     @property
     def verified_collectives(self) -> int:
@@ -90,34 +107,34 @@ class VerifyingBackend:
                                async_op: bool = False) -> Work:
         """Verify, then all-gather."""
         self._verify("all_gather", input, group)
-        return self._backend.collectives.all_gather_into_tensor(output, input, group, async_op=async_op)
+        return self._side.all_gather_into_tensor(output, input, group, async_op=async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                               op: str = ReduceOp.SUM, async_op: bool = False, *,
                               factor: float | None = None) -> Work:
         """Verify, then reduce-scatter."""
         self._verify(f"reduce_scatter({op})", input, group)
-        return self._backend.collectives.reduce_scatter_tensor(output, input, group, op=op, async_op=async_op,
+        return self._side.reduce_scatter_tensor(output, input, group, op=op, async_op=async_op,
                                                    **factor_kwargs(factor))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Group,
                           async_op: bool = False) -> Work:
         """Verify, then all-to-all."""
         self._verify("all_to_all", input, group)
-        return self._backend.collectives.all_to_all_single(output, input, group, async_op=async_op)
+        return self._side.all_to_all_single(output, input, group, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = ReduceOp.SUM,
                    async_op: bool = False, *, factor: float | None = None) -> Work:
         """Verify, then all-reduce."""
         self._verify(f"all_reduce({op})", tensor, group)
-        return self._backend.collectives.all_reduce(tensor, group, op=op, async_op=async_op,
+        return self._side.all_reduce(tensor, group, op=op, async_op=async_op,
                                         **factor_kwargs(factor))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group,
                   async_op: bool = False) -> Work:
         """Verify, then broadcast."""
         self._verify(f"broadcast(from {src})", tensor, group)
-        return self._backend.collectives.broadcast(tensor, src, group, async_op=async_op)
+        return self._side.broadcast(tensor, src, group, async_op=async_op)
 
     # ---- the check -------------------------------------------------------------------------
     def _verify(self, op: str, tensor: torch.Tensor, group: Group) -> None:
