@@ -163,6 +163,11 @@ class RecordingBackend:
         self.me = me
         self.calls: list[tuple[int, ...]] = []
 
+    @property
+    def collectives(self) -> "RecordingBackend":
+        """Its own collective side, as a vendor's Backend is."""
+        return self
+
     def new_group(self, ranks: list[int]) -> Group:
         """Record the call; the group rank is the position of `me`, or -1."""
         self.calls.append(tuple(ranks))
