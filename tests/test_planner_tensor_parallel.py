@@ -88,6 +88,21 @@ def test_planned_bytes_and_peak_hold_against_a_measured_tp2_x_dp2_step(name, ac)
         assert tp["all_gather"] == batch * seq * TINY_HF["vocab_size"] // 2 * 4
 
 
+def test_tp_plans_of_two_layouts_run_one_after_the_other_in_one_process():
+    # DTensor caches sharding decisions by value; before the fake world cleared them as it
+    # ended, the second plan's rehearsal got parameters on the first world's (gone) groups:
+    # "Could not resolve the process group registered under the name 3".
+    model, block, apply_tp = _meta("titan")
+    options = dict(tp=2, tp_plan=apply_tp, auto_wrap_policy=transformer_layers({block}),
+                   batch=1, seq=16)
+    first = shardkit.plan(model, world_size=8, **options)
+    hybrid = shardkit.plan(model, world_size=8, nodes=2, strategy="HYBRID_SHARD", **options)
+    again = shardkit.plan(model, world_size=8, **options)
+    assert (hybrid.shard_group_size, hybrid.replica_group_size) == (2, 2)
+    assert (first.shard_group_size, first.replica_group_size) == (4, 1)
+    assert (again.peak_bytes, again.comm) == (first.peak_bytes, first.comm)
+
+
 def test_hybrid_beside_tp_replicates_across_nodes_and_keeps_tp_inside():
     model, block, apply_tp = _meta("titan")
     # 8 ranks on 2 nodes, TP 2: 2 data-parallel ranks per node shard, the 2 nodes replicate.

@@ -139,6 +139,23 @@ def fake_world(world_size: int, dp_shape: tuple[int, ...], tp: int) -> Iterator[
         yield init_device_mesh("cpu", (*dp_shape, tp), mesh_dim_names=names)
     finally:
         dist.destroy_process_group()
+        _forget_cached_shardings()
+
+
+def _forget_cached_shardings() -> None:
+    # DTensor caches sharding decisions by value (its C++ fast path and Python's LRU): a later
+    # fake world's equal mesh would be answered with this one's, whose process groups are gone
+    # (a second TP plan with a batch in one process failed: its parameters named group "3",
+    # the live mesh's was "9"). Also what kept the fake meshes alive after a plan.
+    from torch.distributed.tensor import DTensor
+
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
+    propagate = getattr(DTensor._op_dispatcher.sharding_propagator, "propagate_op_sharding", None)
+    clear_python = getattr(propagate, "cache_clear", None)
+    if clear_python is not None:
+        clear_python()
 
 
 def data_parallel_mesh(mesh: Any) -> Any:
