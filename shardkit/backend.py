@@ -5,8 +5,8 @@ memory, host copies, launching ranks) and `CollectiveSide` (process groups, redu
 collectives). A vendor's plugin is one class, `Backend`, which is both sides at once; the engine
 always reaches a side through `backend.devices` or `backend.collectives` (a lint test holds it to
 that), so a pair of two vendors' sides (``backend="cuda+gloo"``, shardkit/composed.py) is just a
-backend whose two attributes are two objects, with nothing forwarded, and the planner's rehearsal
-swaps in a side of its own the same way.
+backend whose two attributes are two objects, with nothing forwarded, and collective-order
+verification wraps the collective side alone the same way (sharding/step/verify.py).
 
 A plugin subclasses `Backend` and fills in the seven required members (name, device_type,
 is_available, requirement_hint; local_device and device_count of the device side;

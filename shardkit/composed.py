@@ -12,12 +12,12 @@ A backend is made of its two sides (backend.py: `DeviceSide`, `CollectiveSide`) 
 reaches each through `backend.devices` / `backend.collectives`, so a pair is a backend whose
 `devices` is one backend and whose `collectives` is another: the engine forwards nothing. (A
 user's script that calls a side member on the pair itself, `ctx.backend.all_reduce(...)`, is
-answered by that side.) The capabilities split
-the same way (`composed_capabilities`): what collectives accept, average exactly, pad shards to and whether
-they run on a torch process group come from the collective side; everything about memory,
-streams and compilation from the device side. Whether several ranks may share one device is the
-collective library's call: the cpu backend's (gloo) allows any number, so ``cuda+gloo`` runs as
-many ranks as asked on one GPU; a collective side with a per-device limit keeps the device's.
+answered by that side.) The capabilities split the same way (`composed_capabilities`): what
+collectives accept, average exactly, pad shards to and whether they run on a torch process
+group come from the collective side; everything about memory, streams and compilation from the
+device side. Whether several ranks may share one device is the collective library's call: the
+cpu backend's (gloo) allows any number, so ``cuda+gloo`` runs as many ranks as asked on one GPU;
+a collective side with a per-device limit keeps the device's.
 """
 
 from __future__ import annotations
