@@ -193,3 +193,39 @@ def test_wait_returns_after_the_writer_ended_and_freed_its_host_copies(tmp_path)
         _host_copies_gone_when_wait_returns, 1, str(tmp_path), threads_per_rank=1, backend="cpu")
     assert copies > 0
     assert alive == 0 and not writer_running
+
+
+def test_a_second_abandon_returns_only_once_the_first_has_marked_the_save_failed(tmp_path, monkeypatch):
+    # Issue 55, from the long lane (test_raw_ranks_end_in_seconds...[finally-0] beside a busy
+    # machine): the survivor's watchdog thread took the pending save to abandon it and was
+    # removing its temporary directory when the main thread, its own abandon finding nothing
+    # left, went on to os._exit(75): the directory stayed half-removed and never marked
+    # `.failed`. The second caller must wait for the first's markers before it returns.
+    import threading
+    import time
+
+    from shardkit.checkpoint import background
+
+    job = background.SaveJob(path=str(tmp_path / "ckpt"), tmp=str(tmp_path / "ckpt.tmp-x"), rank=1,
+                             world_size=2, save_id="x", chunks={}, state_file="", state_blob=b"",
+                             info={})
+    os.makedirs(job.tmp)
+    handle = background.BackgroundSave(job)  # never started: a writer still in flight
+    monkeypatch.setattr(background, "_pending", [handle])
+    removing = threading.Event()
+    real_rmtree = background.shutil.rmtree
+
+    def slow_rmtree(path, ignore_errors=False):
+        removing.set()
+        time.sleep(0.5)  # a loaded machine: the first abandon is still removing files
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(background.shutil, "rmtree", slow_rmtree)
+    first = threading.Thread(target=background.abandon_pending, args=("a peer failed",))
+    first.start()
+    assert removing.wait(5)
+    background.abandon_pending("shutdown() during RuntimeError")  # the thread about to exit
+    marked = os.path.exists(job.tmp + background.FAILED_SUFFIX)
+    first.join()
+    assert marked, "the second abandon returned before the save was marked failed"
+    assert not os.path.exists(job.tmp)

@@ -173,13 +173,18 @@ def wait_pending() -> None:
 
 
 def abandon_pending(reason: str) -> None:
-    """Give up every background save this process started, without waiting (a rank that ends
-    after a failure: its peers may be dead, and waiting for them took the write timeout)."""
-    with _lock:
+    """Give up every background save this process started, without waiting for peers (a rank
+    that ends after a failure: they may be dead, and waiting for them took the write timeout).
+
+    Returns once every save is marked failed, whichever thread marks it: a survivor's watchdog
+    and its main thread both abandon on their way to os._exit, and the one that found the list
+    empty used to exit while the other was still removing the temporary directory (left
+    half-removed and unmarked; issue 55, from the long lane)."""
+    with _lock:  # held while marking: a second caller waits for the first's markers
         handles = list(_pending)
         _pending.clear()
-    for handle in handles:
-        handle.abandon(reason)
+        for handle in handles:
+            handle.abandon(reason)
 
 
 @atexit.register
