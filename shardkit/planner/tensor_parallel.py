@@ -146,7 +146,7 @@ def _forget_cached_shardings() -> None:
     # DTensor caches sharding decisions by value (its C++ fast path and Python's LRU): a later
     # fake world's equal mesh would be answered with this one's, whose process groups are gone
     # (a second TP plan with a batch in one process failed: its parameters named group "3",
-    # the live mesh's was "9"). Also what kept the fake meshes alive after a plan.
+    # the live mesh's was "9").
     from torch.distributed.tensor import DTensor
 
     clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
